@@ -1,0 +1,1 @@
+"""The HTTP edge: authentication, admission, enqueueing and SSE streaming."""

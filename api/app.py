@@ -1,0 +1,58 @@
+"""The Starlette application: routes, error handlers and the lifespan that builds `ApiContext`."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.context import ApiContext, TokenizerCache
+from api.errors import APIError
+from api.routes import routes
+from shared.db import create_schema, make_engine
+from shared.redis_conn import async_client
+from shared.settings import Settings, get_settings
+
+log = logging.getLogger("llmfleet.api")
+
+
+def create_app(settings: Settings | None = None) -> Starlette:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(_app: Starlette):
+        engine = make_engine(settings)
+        create_schema(engine)
+        redis = async_client(settings.redis_url)
+        ctx = ApiContext(settings, engine, redis, TokenizerCache(settings))
+        try:
+            yield {"ctx": ctx}
+        finally:
+            await redis.aclose()
+            engine.dispose()
+
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _crash},
+    )
+
+
+async def _api_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return APIError(500, "Internal server error.", type="server_error").response()

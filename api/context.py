@@ -1,0 +1,45 @@
+"""What the API's handlers share, built once in the app's lifespan (no module globals)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from sqlalchemy.engine import Engine
+from starlette.concurrency import run_in_threadpool
+
+from shared import model_source
+from shared.settings import Settings
+from shared.tables import ModelDeployment
+
+
+@dataclass
+class TokenizerCache:
+    """One tokenizer per deployment, loaded off the event loop the first time it is needed."""
+
+    settings: Settings
+    _tokenizers: dict[int, object] = field(default_factory=dict)
+    _locks: dict[int, asyncio.Lock] = field(default_factory=dict)
+
+    async def get(self, deployment: ModelDeployment):
+        assert deployment.id is not None
+        if (tokenizer := self._tokenizers.get(deployment.id)) is not None:
+            return tokenizer
+        lock = self._locks.setdefault(deployment.id, asyncio.Lock())
+        async with lock:
+            if deployment.id not in self._tokenizers:
+                self._tokenizers[deployment.id] = await run_in_threadpool(self._load, deployment)
+        return self._tokenizers[deployment.id]
+
+    def _load(self, deployment: ModelDeployment):
+        source = model_source.resolve(deployment.source)
+        return model_source.load_tokenizer(source, self.settings.home / "cache")
+
+
+@dataclass
+class ApiContext:
+    settings: Settings
+    engine: Engine
+    redis: aioredis.Redis
+    tokenizers: TokenizerCache

@@ -1,0 +1,127 @@
+"""The HTTP handlers. Each reads as the data path: authenticate, admit, enqueue, stream."""
+
+from __future__ import annotations
+
+from sqlmodel import select
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api import admission, broker
+from api.auth import authenticate
+from api.context import ApiContext
+from api.errors import APIError, not_found
+from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
+from api.streaming import chunk_format, collect, sse_events
+from shared import deployments
+from shared.db import session_scope
+from shared.protocol import QueuedRequest
+from shared.tables import UsageRecord
+
+
+def _ctx(request: Request) -> ApiContext:
+    return request.state.ctx
+
+
+async def completions(request: Request) -> Response:
+    ctx = _ctx(request)
+    principal = await authenticate(request, ctx)
+    body = parse_body(CompletionBody, await _read_body(request, ctx))
+    queued = await admission.admit_completion(ctx, principal, body)
+    return await _respond(ctx, queued, body)
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = _ctx(request)
+    principal = await authenticate(request, ctx)
+    body = parse_body(ChatBody, await _read_body(request, ctx))
+    queued = await admission.admit_chat(ctx, principal, body)
+    return await _respond(ctx, queued, body)
+
+
+async def _respond(ctx: ApiContext, queued: QueuedRequest, body: GenerationBody) -> Response:
+    subscription = await broker.submit(ctx.redis, queued)
+    fmt = chunk_format(subscription, body.model, body.include_usage)
+    headers = {"X-Request-Id": queued.request_id}
+    if body.stream:
+        return EventSourceResponse(
+            sse_events(subscription, fmt), headers=headers, ping=ctx.settings.stream_keepalive_s
+        )
+    return JSONResponse(await collect(subscription, fmt), headers=headers)
+
+
+async def _read_body(request: Request, ctx: ApiContext) -> bytes:
+    limit = ctx.settings.max_request_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    return body
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
+
+
+async def list_models(request: Request) -> Response:
+    ctx = _ctx(request)
+    await authenticate(request, ctx)
+    rows = await run_in_threadpool(deployments.list_active, ctx.engine)
+    data = [
+        {
+            "id": row.model_id,
+            "object": "model",
+            "created": int(row.created_at.timestamp()),
+            "owned_by": "llmfleet",
+            "version": row.version,
+            "max_model_len": row.max_context_tokens,
+        }
+        for row in rows
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def request_usage(request: Request) -> Response:
+    ctx = _ctx(request)
+    principal = await authenticate(request, ctx)
+    request_id = request.path_params["request_id"]
+    record = await run_in_threadpool(_usage_of, ctx, principal.tenant_id, request_id)
+    # Another tenant's request and a request that does not exist look the same: 404.
+    if record is None:
+        raise not_found(f"No usage recorded for request `{request_id}`.")
+    return JSONResponse(
+        {
+            "request_id": request_id,
+            "input_tokens": record.input_tokens,
+            "output_tokens": record.output_tokens,
+        }
+    )
+
+
+def _usage_of(ctx: ApiContext, tenant_id: str, request_id: str) -> UsageRecord | None:
+    with session_scope(ctx.engine) as session:
+        return session.exec(
+            select(UsageRecord).where(
+                UsageRecord.request_id == request_id, UsageRecord.tenant_id == tenant_id
+            )
+        ).first()
+
+
+async def healthz(request: Request) -> Response:
+    await _ctx(request).redis.ping()
+    return JSONResponse({"status": "ok"})
+
+
+routes = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/requests/{request_id}/usage", request_usage, methods=["GET"]),
+    Route("/healthz", healthz, methods=["GET"]),
+]

@@ -1,0 +1,136 @@
+"""Worker events -> OpenAI responses: SSE chunks for `stream: true`, one JSON body otherwise.
+
+The worker's final event carries the last text delta together with the finish reason, so
+the last content chunk has `finish_reason` without holding any chunk back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from api.broker import Subscription
+from api.errors import APIError
+from shared.protocol import ErrorEvent, FinalEvent, Usage
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFormat:
+    """Shapes one request's chunks: `text_completion` or `chat.completion.chunk`."""
+
+    request_id: str
+    model: str
+    is_chat: bool
+    include_usage: bool
+    created: int
+
+    def content(self, text: str, finish_reason: str | None, *, is_first: bool) -> dict:
+        if self.is_chat:
+            delta: dict = {"role": "assistant", "content": text} if is_first else {"content": text}
+            if finish_reason is not None and not text and not is_first:
+                delta = {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._chunk([choice], usage=None)
+
+    def usage(self, usage: Usage) -> dict:
+        return self._chunk([], usage=_usage_json(usage))
+
+    def _chunk(self, choices: list[dict], usage: dict | None) -> dict:
+        chunk = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.is_chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+
+def chunk_format(subscription: Subscription, model: str, include_usage: bool) -> ChunkFormat:
+    request = subscription.request
+    return ChunkFormat(
+        request_id=request.request_id,
+        model=model,
+        is_chat=request.kind == "chat",
+        include_usage=include_usage,
+        created=int(request.arrival_ts),
+    )
+
+
+async def sse_events(subscription: Subscription, fmt: ChunkFormat) -> AsyncIterator[dict]:
+    """SSE events for sse-starlette; always ends with `[DONE]`, after an error event if one came."""
+    is_first = True
+    try:
+        async for event in subscription.events():
+            if isinstance(event, ErrorEvent):
+                yield {"data": json.dumps(_error_json(event))}
+                break
+            finish_reason = event.finish_reason if isinstance(event, FinalEvent) else None
+            if event.text or finish_reason is not None:
+                data = fmt.content(event.text, finish_reason, is_first=is_first)
+                yield {"data": json.dumps(data)}
+                is_first = False
+            if isinstance(event, FinalEvent) and fmt.include_usage:
+                yield {"data": json.dumps(fmt.usage(event.usage))}
+        yield {"data": "[DONE]"}
+    finally:
+        await subscription.close()
+
+
+async def collect(subscription: Subscription, fmt: ChunkFormat) -> dict:
+    """The whole answer as one completion body, for `stream: false`."""
+    parts: list[str] = []
+    try:
+        async for event in subscription.events():
+            if isinstance(event, ErrorEvent):
+                raise APIError(500, event.message, type="server_error", code=event.code)
+            parts.append(event.text)
+            if isinstance(event, FinalEvent):
+                return _completion_body(fmt, "".join(parts), event)
+    finally:
+        await subscription.close()
+    raise APIError(500, "The request ended without a result.", type="server_error")
+
+
+def _completion_body(fmt: ChunkFormat, text: str, final: FinalEvent) -> dict:
+    if fmt.is_chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": final.finish_reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+    return {
+        "id": fmt.request_id,
+        "object": "chat.completion" if fmt.is_chat else "text_completion",
+        "created": fmt.created,
+        "model": fmt.model,
+        "choices": [choice],
+        "usage": _usage_json(final.usage),
+    }
+
+
+def _usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def _error_json(event: ErrorEvent) -> dict:
+    return {
+        "error": {
+            "message": event.message,
+            "type": "server_error",
+            "param": None,
+            "code": event.code,
+        }
+    }

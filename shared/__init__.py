@@ -1,0 +1,1 @@
+"""Code shared by the API and the workers: settings, wire protocol, Redis keys, SQL tables."""

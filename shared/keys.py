@@ -1,0 +1,40 @@
+"""Every Redis key, stream, consumer group and pub/sub channel name, built here and nowhere else.
+
+Layout (all under the `llmfleet:` prefix):
+
+- `llmfleet:q:{model}:{tenant}`   stream: one per (model, tenant); the API XADDs requests.
+- `llmfleet:tenants:{model}`      set: tenants that have a stream for the model.
+- consumer group `workers`        on every tenant stream; each worker process is a consumer.
+- `llmfleet:req:{request_id}`     pub/sub channel: token, final and error events for one request.
+- `llmfleet:cancel:{model}`       pub/sub channel: request ids whose client went away.
+- `llmfleet:worker:{worker_id}`   hash with a TTL: a worker's heartbeat and load state.
+"""
+
+from __future__ import annotations
+
+PREFIX = "llmfleet"
+WORKER_GROUP = "workers"
+
+
+def tenant_stream(model: str, tenant: str) -> str:
+    return f"{PREFIX}:q:{model}:{tenant}"
+
+
+def model_tenants(model: str) -> str:
+    return f"{PREFIX}:tenants:{model}"
+
+
+def request_channel(request_id: str) -> str:
+    return f"{PREFIX}:req:{request_id}"
+
+
+def cancel_channel(model: str) -> str:
+    return f"{PREFIX}:cancel:{model}"
+
+
+def worker_heartbeat(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def worker_heartbeat_pattern() -> str:
+    return f"{PREFIX}:worker:*"

@@ -1,0 +1,103 @@
+"""What travels over Redis between the API and the workers: JSON, never pickle.
+
+`QueuedRequest` is the body of a stream entry; `Event` subclasses are the messages on a
+request's pub/sub channel. Each carries a `seq` so a reader can tell a gap.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class QueuedRequest(BaseModel):
+    """A request accepted by the API, as it waits on its tenant's stream."""
+
+    request_id: str
+    tenant_id: str
+    model: str
+    deployment_id: int
+    kind: Literal["completion", "chat"]
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_ts: float
+
+    def to_fields(self) -> dict[str, str]:
+        return {"body": self.model_dump_json()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> QueuedRequest:
+        body = fields.get(b"body", fields.get("body"))
+        return cls.model_validate_json(body)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TokenEvent(BaseModel):
+    type: Literal["token"] = "token"
+    seq: int
+    text: str
+    num_tokens: int
+
+
+class FinalEvent(BaseModel):
+    """The last event of a finished request: its last text delta, why it ended, its usage."""
+
+    type: Literal["final"] = "final"
+    seq: int
+    text: str = ""
+    finish_reason: Literal["stop", "length", "cancelled"]
+    usage: Usage
+
+
+class ErrorEvent(BaseModel):
+    type: Literal["error"] = "error"
+    seq: int
+    code: str
+    message: str
+
+
+Event = Annotated[TokenEvent | FinalEvent | ErrorEvent, Field(discriminator="type")]
+_event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def encode_event(event: TokenEvent | FinalEvent | ErrorEvent) -> str:
+    return event.model_dump_json()
+
+
+def decode_event(data: bytes | str) -> TokenEvent | FinalEvent | ErrorEvent:
+    return _event_adapter.validate_json(data)
+
+
+def encode_cancel(request_id: str) -> str:
+    return json.dumps({"request_id": request_id})
+
+
+def decode_cancel(data: bytes | str) -> str:
+    return json.loads(data)["request_id"]

@@ -1,0 +1,99 @@
+"""Typed configuration from the environment, in one place.
+
+`REDIS_URL` and `DATABASE_URL` keep their conventional names; everything else is
+prefixed `LLMFLEET_`. Without `REDIS_URL` the processes talk to the embedded
+redis-server on a unix socket under the home directory; without `DATABASE_URL`
+they use SQLite there.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLMFLEET_", extra="ignore")
+
+    home_dir: Path = Path(".llmfleet")
+    redis_url_env: str | None = Field(default=None, validation_alias=AliasChoices("REDIS_URL"))
+    database_url_env: str | None = Field(
+        default=None, validation_alias=AliasChoices("DATABASE_URL")
+    )
+    # Server-side secret mixed into API-key hashes. Without one, a random pepper is
+    # generated once and kept in the home directory (development only).
+    key_pepper: str | None = None
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    max_request_body_bytes: int = 1_000_000
+    max_stop_strings: int = 4
+    max_stop_string_chars: int = 64
+    stream_keepalive_s: float = 15.0
+
+    worker_idle_poll_ms: int = 100
+    worker_heartbeat_s: float = 2.0
+
+    @property
+    def home(self) -> Path:
+        return self.home_dir.resolve()
+
+    @property
+    def redis_socket_path(self) -> Path:
+        return self.home / "redis" / "redis.sock"
+
+    @property
+    def is_embedded_redis(self) -> bool:
+        return self.redis_url_env is None
+
+    @property
+    def redis_url(self) -> str:
+        if self.redis_url_env:
+            return self.redis_url_env
+        return f"unix://{self.redis_socket_path}"
+
+    @property
+    def database_url(self) -> str:
+        if self.database_url_env:
+            return _with_psycopg_driver(self.database_url_env)
+        return f"sqlite:///{self.home / 'llmfleet.db'}"
+
+    @cached_property
+    def pepper(self) -> bytes:
+        if self.key_pepper:
+            return self.key_pepper.encode()
+        path = self.home / "secrets" / "key_pepper"
+        if not path.exists():
+            _create_once(path, secrets.token_hex(32))
+        return path.read_text().strip().encode()
+
+
+def _with_psycopg_driver(url: str) -> str:
+    """`postgresql://` means psycopg 3 here, not SQLAlchemy's psycopg2 default."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def _create_once(path: Path, text: str) -> None:
+    """Atomically create a private file; a concurrent process that loses the race keeps ours."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+
+
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,77 @@
+"""The SQL tables: tenants and their keys, model deployments, requests and their usage.
+
+`Sequence` (a request's in-flight generation state and KV-cache blocks) is deliberately
+not here: it lives only in a worker's memory.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from sqlmodel import Field, SQLModel, UniqueConstraint
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:16]}"
+
+
+class Tenant(SQLModel, table=True):
+    id: str = Field(default_factory=lambda: new_id("ten"), primary_key=True)
+    name: str = Field(unique=True, index=True)
+    tier: int = 1  # priority tier: higher wins contested admission (tenancy issue)
+    weight: int = 1  # share of the batch under weighted fair queuing
+    max_requests_in_flight: int | None = None
+    is_disabled: bool = False
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ApiKey(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    tenant_id: str = Field(foreign_key="tenant.id", index=True)
+    key_hash: str = Field(
+        unique=True, index=True
+    )  # HMAC-SHA256(pepper, key); the key is never stored
+    prefix: str  # first characters, to tell keys apart in listings
+    created_at: datetime = Field(default_factory=utcnow)
+    revoked_at: datetime | None = None
+
+
+class ModelDeployment(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("model_id", "version"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    model_id: str = Field(index=True)
+    version: str = "1"
+    source: str  # "smollm2-135m", a local HF directory, or a .gguf file
+    max_context_tokens: int
+    is_active: bool = True
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class InferenceRequest(SQLModel, table=True):
+    id: str = Field(primary_key=True)  # the request id clients see
+    tenant_id: str = Field(foreign_key="tenant.id", index=True)
+    deployment_id: int = Field(foreign_key="modeldeployment.id")
+    kind: str  # "completion" | "chat"
+    sampling_json: str
+    num_prompt_tokens: int
+    status: str  # "completed" | "cancelled" | "failed"
+    finish_reason: str | None = None
+    arrived_at: datetime
+    finished_at: datetime = Field(default_factory=utcnow)
+
+
+class UsageRecord(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    request_id: str = Field(foreign_key="inferencerequest.id", unique=True, index=True)
+    tenant_id: str = Field(foreign_key="tenant.id", index=True)
+    deployment_id: int = Field(foreign_key="modeldeployment.id")
+    input_tokens: int
+    output_tokens: int
+    finish_reason: str
+    created_at: datetime = Field(default_factory=utcnow)

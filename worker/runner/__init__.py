@@ -1,0 +1,1 @@
+"""The model runner: the only code in llmfleet that imports torch."""

@@ -1,0 +1,102 @@
+"""A request's in-flight generation state, held only in the worker's memory."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.protocol import QueuedRequest, SamplingParams
+from worker.detokenizer import Decoder, IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one engine step produced for one sequence."""
+
+    request_id: str
+    text: str
+    num_new_tokens: int
+    finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+
+    @classmethod
+    def from_request(
+        cls, request: QueuedRequest, decoder: Decoder, eos_token_ids: frozenset[int]
+    ) -> Sequence:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            eos_token_ids=eos_token_ids,
+            detokenizer=IncrementalDetokenizer(decoder, request.sampling.stop),
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> SequenceOutput:
+        """Record a sampled token, decide whether the sequence is done, and say what to send."""
+        self.output_token_ids.append(token_id)
+        if self._is_stop_token(token_id):
+            return self._finish("stop", self.detokenizer.flush())
+        text = self.detokenizer.add_token(token_id)
+        if self.detokenizer.is_stopped:
+            return self._finish("stop", text)
+        if self.num_output_tokens >= self.sampling.max_tokens:
+            return self._finish("length", text + self.detokenizer.flush())
+        return self._output(text, num_new_tokens=1)
+
+    def cancel(self) -> SequenceOutput:
+        return self._finish("cancelled", "", num_new_tokens=0)
+
+    def _is_stop_token(self, token_id: int) -> bool:
+        if token_id in self.sampling.stop_token_ids:
+            return True
+        return token_id in self.eos_token_ids and not self.sampling.ignore_eos
+
+    def _finish(self, reason: str, text: str, num_new_tokens: int = 1) -> SequenceOutput:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        return self._output(text, num_new_tokens)
+
+    def _output(self, text: str, num_new_tokens: int) -> SequenceOutput:
+        return SequenceOutput(
+            request_id=self.request_id,
+            text=text,
+            num_new_tokens=num_new_tokens,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+        )
