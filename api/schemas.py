@@ -92,7 +92,8 @@ def _to_api_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         return bad_request("The request body is not valid JSON.", code="invalid_json")
-    param = ".".join(str(part) for part in first["loc"]) or None
+    # The top-level field is the param; deeper parts of `loc` name union members, not fields.
+    param = str(first["loc"][0]) if first["loc"] else None
     message = first["msg"]
     if param:
         message = f"{param}: {message}"

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 from sqlalchemy.engine import Engine
 
 from shared import keys, model_source
@@ -126,15 +127,22 @@ class Worker:
         key = keys.worker_heartbeat(self.worker_id)
         interval_s = self._settings.worker_heartbeat_s
         while True:
-            await redis.hset(
-                key,
-                mapping={
-                    "model": self._deployment.model_id,
-                    "state": self._state,
-                    "pid": os.getpid(),
-                    "batching": self._config.batching,
-                    "updated_at": time.time(),
-                },
-            )
-            await redis.expire(key, max(1, int(interval_s * 3)))
+            try:
+                await self._beat(redis, key, interval_s)
+            except (RedisError, OSError) as exc:
+                # The broker may be restarting; keep beating once it is back.
+                log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval_s)
+
+    async def _beat(self, redis: aioredis.Redis, key: str, interval_s: float) -> None:
+        fields = {
+            "model": self._deployment.model_id,
+            "state": self._state,
+            "pid": os.getpid(),
+            "batching": self._config.batching,
+            "updated_at": time.time(),
+        }
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, max(1, int(interval_s * 3)))
+            await pipe.execute()

@@ -1,0 +1,171 @@
+"""`llmfleet up`: the whole platform on one machine, on embedded defaults.
+
+Starts the embedded Redis (unless REDIS_URL is set), prepares the database, starts the API
+and one worker as child processes (logs under `<home>/logs/`), shows progress while the
+model loads, then prints the URL and a development API key and waits for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import redis
+from rich.console import Console
+
+from shared import deployments, keys, tenants
+from shared.db import create_schema, make_engine
+from shared.redis_server import EmbeddedRedis
+from shared.settings import Settings
+
+DEV_TENANT = "dev"
+START_TIMEOUT_S = 600
+
+
+@dataclass
+class LocalStack:
+    settings: Settings
+    console: Console = field(default_factory=Console)
+    children: list[subprocess.Popen] = field(default_factory=list)
+    redis_server: EmbeddedRedis | None = None
+
+    def start_redis(self) -> None:
+        if not self.settings.is_embedded_redis or _answers_ping(self.settings.redis_url):
+            return
+        self.redis_server = EmbeddedRedis(
+            self.settings.home / "redis", unix_socket=self.settings.redis_socket_path
+        ).start()
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log_dir = self.settings.home / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = (log_dir / f"{name}.log").open("ab")
+        env = {**os.environ, "LLMFLEET_HOME_DIR": str(self.settings.home)}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", *args], stdout=log, stderr=log, env=env
+        )
+        self.children.append(process)
+        return process
+
+    def stop(self) -> None:
+        for process in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.children:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+
+def run_local(settings: Settings, *, model: str, batching: str) -> None:
+    stack = LocalStack(settings)
+    console = stack.console
+    try:
+        with console.status("starting Redis and the database...") as status:
+            stack.start_redis()
+            engine = make_engine(settings)
+            create_schema(engine)
+            status.update(f"registering model {model}...")
+            if deployments.get_active(engine, model) is None:
+                deployments.ensure_default(engine)
+            key = _dev_key(settings, engine)
+        api = stack.spawn("api", "api")
+        worker = stack.spawn("worker", "worker", "--model", model, "--batching", batching)
+        _wait_until_ready(stack, api, worker, model)
+        _print_ready(console, settings, key, model)
+        while all(p.poll() is None for p in (api, worker)):
+            time.sleep(0.5)
+        console.print("[red]a process exited; see the logs under[/red]", settings.home / "logs")
+    except KeyboardInterrupt:
+        console.print("stopping...")
+    finally:
+        stack.stop()
+
+
+def _dev_key(settings: Settings, engine) -> str:
+    """The development key, kept in the home directory so that `up` can print it every time."""
+    path = settings.home / "secrets" / "dev_api_key"
+    if path.exists():
+        key = path.read_text().strip()
+        if tenants.authenticate(engine, key, settings.pepper) is not None:
+            return key
+    tenant = tenants.get_tenant_by_name(engine, DEV_TENANT) or tenants.create_tenant(
+        engine, DEV_TENANT
+    )
+    key = tenants.create_key(engine, tenant.id, settings.pepper)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(key)
+    return key
+
+
+def _wait_until_ready(
+    stack: LocalStack, api: subprocess.Popen, worker: subprocess.Popen, model: str
+) -> None:
+    settings = stack.settings
+    client = redis.Redis.from_url(settings.redis_url)
+    started = time.monotonic()
+    with stack.console.status("") as status:
+        while True:
+            elapsed = time.monotonic() - started
+            if api.poll() is not None or worker.poll() is not None or elapsed > START_TIMEOUT_S:
+                raise SystemExit(f"startup failed; see the logs under {settings.home / 'logs'}")
+            worker_state = _worker_state(client, worker.pid)
+            api_state = "ready" if _api_ready(settings) else "starting"
+            status.update(
+                f"worker ({model}): {worker_state} · api: {api_state} · {elapsed:.0f}s"
+                + ("  (loading the model's weights)" if worker_state == "loading" else "")
+            )
+            if worker_state == "ready" and api_state == "ready":
+                client.close()
+                return
+            time.sleep(0.3)
+
+
+def _worker_state(client: redis.Redis, pid: int) -> str:
+    for key in client.scan_iter(keys.worker_heartbeat_pattern()):
+        info = client.hgetall(key)
+        if info.get(b"pid") == str(pid).encode():
+            return info.get(b"state", b"starting").decode()
+    return "starting"
+
+
+def _api_ready(settings: Settings) -> bool:
+    try:
+        url = f"http://{settings.api_host}:{settings.api_port}/healthz"
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _answers_ping(url: str) -> bool:
+    client = redis.Redis.from_url(url)
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+    finally:
+        client.close()
+
+
+def _print_ready(console: Console, settings: Settings, key: str, model: str) -> None:
+    url = f"http://{settings.api_host}:{settings.api_port}"
+    console.print(f"\n[bold green]llmfleet is up[/bold green] at [bold]{url}[/bold]")
+    console.print(f"development API key: [bold]{key}[/bold]")
+    console.print(f"logs: {settings.home / 'logs'}\n")
+    console.print("try:")
+    console.print(
+        f"  curl -N {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+        f'-H \'Content-Type: application/json\' -d \'{{"model": "{model}", "stream": true, '
+        f'"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n',
+        soft_wrap=True,
+    )
+    console.print("Ctrl-C stops everything.")

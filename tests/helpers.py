@@ -1,0 +1,62 @@
+"""Helpers for reading llmfleet's HTTP answers in tests."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class SSEResult:
+    status_code: int
+    headers: httpx.Headers
+    chunks: list[dict] = field(default_factory=list)
+    has_done: bool = False
+    events_after_done: int = 0
+
+    @property
+    def text(self) -> str:
+        parts = []
+        for chunk in self.chunks:
+            for choice in chunk.get("choices", []):
+                parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+        return "".join(parts)
+
+    @property
+    def usage(self) -> dict | None:
+        finals = [c for c in self.chunks if c.get("usage")]
+        return finals[-1]["usage"] if finals else None
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [ch.get("finish_reason") for c in self.chunks for ch in c.get("choices", [])]
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def stream(url: str, path: str, key: str, body: dict, timeout_s: float = 120) -> SSEResult:
+    """POST with `stream: true` and parse every `data:` line of the SSE answer."""
+    with (
+        httpx.Client(timeout=timeout_s) as client,
+        client.stream("POST", url + path, json={**body, "stream": True}, headers=auth(key)) as r,
+    ):
+        result = SSEResult(r.status_code, r.headers)
+        if r.status_code != 200:
+            r.read()
+            result.chunks.append(r.json())
+            return result
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if result.has_done:
+                result.events_after_done += 1
+            elif data == "[DONE]":
+                result.has_done = True
+            else:
+                result.chunks.append(json.loads(data))
+    return result
