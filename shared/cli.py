@@ -106,11 +106,18 @@ def redis() -> None:
     server = EmbeddedRedis(settings.home / "redis", unix_socket=settings.redis_socket_path)
     server.start()
     typer.echo(f"redis listening on {server.url}")
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    # Only raise in the handler: waiting on the child inside it would deadlock with wait().
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         server.wait()
     except KeyboardInterrupt:
+        pass
+    finally:
         server.stop()
+
+
+def _raise_keyboard_interrupt(*_args) -> None:
+    raise KeyboardInterrupt
 
 
 @app.command()

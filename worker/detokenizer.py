@@ -38,18 +38,20 @@ class IncrementalDetokenizer:
         return self._take_emittable()
 
     def flush(self) -> str:
-        """All text not yet sent: call when the sequence ends for another reason than a stop string."""
+        """All text not yet sent, incomplete characters included: call when the sequence ends."""
+        if not self.is_stopped and (delta := self._decode_delta(is_final=True)):
+            self._append_text(delta)
         rest = self.text[self._num_emitted_chars :]
         self._num_emitted_chars = len(self.text)
         return rest
 
-    def _decode_delta(self) -> str:
+    def _decode_delta(self, is_final: bool = False) -> str:
         ids = self._token_ids
         prefix = self._decoder.decode(
             ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
         )
         full = self._decoder.decode(ids[self._prefix_offset :], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
+        if len(full) <= len(prefix) or (full.endswith(_INCOMPLETE) and not is_final):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)

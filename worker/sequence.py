@@ -75,7 +75,8 @@ class Sequence:
         if self.detokenizer.is_stopped:
             return self._finish("stop", text)
         if self.num_output_tokens >= self.sampling.max_tokens:
-            return self._finish("length", text + self.detokenizer.flush())
+            text += self.detokenizer.flush()
+            return self._finish("stop" if self.detokenizer.is_stopped else "length", text)
         return self._output(text, num_new_tokens=1)
 
     def cancel(self) -> SequenceOutput:

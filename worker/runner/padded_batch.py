@@ -58,7 +58,7 @@ class PaddedBatch:
             input_ids=input_ids,
             attention_mask=self._attention_mask,
             position_ids=positions,
-            past_key_values=self._cache,
+            cache=self._cache,
             use_cache=True,
             logits_to_keep=1,
         )
