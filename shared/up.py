@@ -20,6 +20,7 @@ from rich.console import Console
 
 from shared import deployments, keys, tenants
 from shared.db import create_schema, make_engine
+from shared.model_source import DEFAULT_MODEL_ID
 from shared.redis_server import EmbeddedRedis
 from shared.settings import Settings
 
@@ -68,6 +69,7 @@ class LocalStack:
 def run_local(settings: Settings, *, model: str, batching: str) -> None:
     stack = LocalStack(settings)
     console = stack.console
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the children on SIGTERM too
     try:
         with console.status("starting Redis and the database...") as status:
             stack.start_redis()
@@ -75,6 +77,8 @@ def run_local(settings: Settings, *, model: str, batching: str) -> None:
             create_schema(engine)
             status.update(f"registering model {model}...")
             if deployments.get_active(engine, model) is None:
+                if model != DEFAULT_MODEL_ID:
+                    raise SystemExit(f"no deployment {model!r}; add it with `llmfleet model add`")
                 deployments.ensure_default(engine)
             key = _dev_key(settings, engine)
         api = stack.spawn("api", "api")
@@ -88,6 +92,10 @@ def run_local(settings: Settings, *, model: str, batching: str) -> None:
         console.print("stopping...")
     finally:
         stack.stop()
+
+
+def _raise_keyboard_interrupt(*_args) -> None:
+    raise KeyboardInterrupt
 
 
 def _dev_key(settings: Settings, engine) -> str:

@@ -6,10 +6,13 @@ import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import httpx
 
 from tests.helpers import auth
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _llmfleet(env, *args: str) -> subprocess.CompletedProcess:
@@ -49,3 +52,18 @@ def test_model_add_rejects_a_bad_source(env, tmp_path):
     result = _llmfleet(env, "model", "add", "broken", "--source", str(tmp_path))
     assert result.returncode != 0
     assert "neither" in result.stderr + result.stdout
+
+
+def test_procfile_is_valid_for_honcho(env):
+    result = subprocess.run(
+        [sys.executable, "-m", "honcho", "check"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert {"redis", "web", "worker"} <= set(
+        re.findall(r"^(\w+):", (ROOT / "Procfile").read_text(), re.M)
+    )

@@ -1,0 +1,74 @@
+"""The SQL layer on PostgreSQL (psycopg 3): runs when a server is reachable, else skips visibly.
+
+Uses DATABASE_URL when set, else the CI machines' server at 127.0.0.1:5432, database `test`.
+Each run works in a schema of its own, dropped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session, select
+
+from shared import tenants
+from shared.db import create_schema
+from shared.protocol import QueuedRequest, SamplingParams
+from shared.settings import _with_psycopg_driver
+from shared.tables import ModelDeployment, UsageRecord
+from worker import usage
+from worker.sequence import SequenceOutput
+
+URL = _with_psycopg_driver(
+    os.environ.get("DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/test"
+)
+
+
+@pytest.fixture(scope="module")
+def pg():
+    schema = f"llmfleet_test_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(URL)
+    try:
+        with admin.begin() as conn:
+            conn.execute(text(f"CREATE SCHEMA {schema}"))
+    except OperationalError as exc:
+        pytest.skip(f"PostgreSQL not reachable at {URL}: {exc.orig}")
+    engine = create_engine(URL, connect_args={"options": f"-csearch_path={schema}"})
+    create_schema(engine)
+    yield engine
+    engine.dispose()
+    with admin.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()
+
+
+def test_keys_and_usage_on_postgres(pg):
+    tenant = tenants.create_tenant(pg, "pg-tenant")
+    key = tenants.create_key(pg, tenant.id, b"pepper")
+    assert tenants.authenticate(pg, key, b"pepper").tenant_id == tenant.id
+    assert tenants.authenticate(pg, key, b"other-pepper") is None
+    with Session(pg) as session:
+        deployment = ModelDeployment(model_id="m", source="x", max_context_tokens=100)
+        session.add(deployment)
+        session.commit()
+        deployment_id = deployment.id
+    request = QueuedRequest(
+        request_id="cmpl-pg",
+        tenant_id=tenant.id,
+        model="m",
+        deployment_id=deployment_id,
+        kind="completion",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(),
+        arrival_ts=time.time(),
+    )
+    final = SequenceOutput("cmpl-pg", "", 1, "length", 3, 16)
+    usage.record(pg, request, final)
+    usage.record(pg, request, final)  # a second delivery is a no-op
+    with Session(pg) as session:
+        rows = session.exec(select(UsageRecord).where(UsageRecord.request_id == "cmpl-pg")).all()
+    assert [(r.input_tokens, r.output_tokens) for r in rows] == [(3, 16)]
