@@ -1,9 +1,11 @@
 """Engines turn admitted sequences into tokens, one `step()` at a time.
 
-`StaticBatchEngine` is the baseline the continuous-batching engine is measured against:
-it forms a batch of up to `max_batch_size` waiting sequences, runs it until every one of
-them has finished, and only then admits more. With `max_batch_size=1` it is the
-one-request-at-a-time engine.
+`ContinuousBatchingEngine` is the default: every step the scheduler picks decodes and
+prefill chunks within a token budget, sequences join as soon as there is room and leave the
+moment they finish. `StaticBatchEngine` is the baseline it is measured against: it forms a
+batch of up to `max_batch_size` waiting sequences, runs it until every one of them has
+finished, and only then admits more; with `max_batch_size=1` it is the one-request-at-a-time
+engine.
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from collections import deque
 from typing import Protocol
 
 from worker.runner.loader import LoadedModel
+from worker.runner.model_runner import ModelRunner
 from worker.runner.padded_batch import PaddedBatch
+from worker.scheduler import Scheduler
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 
 
 class Engine(Protocol):
-    def add(self, seq: Sequence) -> None: ...
+    def add(self, seq: Sequence) -> SequenceOutput | None:
+        """Take a sequence; an output at once if it is refused."""
+        ...
+
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]: ...
     def num_free_slots(self) -> int: ...
     def has_work(self) -> bool: ...
@@ -33,8 +40,9 @@ class StaticBatchEngine:
         self._batch: PaddedBatch | None = None
         self._last_token_ids: list[int] = []
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence) -> SequenceOutput | None:
         self._waiting.append(seq)
+        return None
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
         outputs = []
@@ -85,3 +93,37 @@ class StaticBatchEngine:
         if self._running and all(seq.is_finished for seq in self._running):
             self._running = []
             self._batch = None
+
+
+class ContinuousBatchingEngine:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+        self.scheduler = scheduler
+        self._runner = runner
+
+    def add(self, seq: Sequence) -> SequenceOutput | None:
+        return self.scheduler.add(seq)
+
+    def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
+        outputs = self.scheduler.abort(request_ids)
+        for output in outputs:
+            self._runner.release(output.request_id)
+        return outputs
+
+    def num_free_slots(self) -> int:
+        # Pull only what can start soon: a worker must not hoard work another could serve.
+        scheduler = self.scheduler
+        return max(0, scheduler.config.max_num_seqs - scheduler.num_running - scheduler.num_waiting)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[SequenceOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self._runner.execute(out)
+        outputs = self.scheduler.postprocess(out, sampled)
+        for output in outputs:
+            if output.is_finished:
+                self._runner.release(output.request_id)
+        return outputs

@@ -22,25 +22,31 @@ class SequenceOutput:
     request_id: str
     text: str
     num_new_tokens: int
-    finish_reason: str | None  # "stop" | "length" | "cancelled" once finished
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" once finished
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity, not field-by-field equality
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
+    arrival_s: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    # Continuous batching: how many of this sequence's tokens are in the KV cache, and where.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @classmethod
     def from_request(
@@ -52,6 +58,7 @@ class Sequence:
             sampling=request.sampling,
             eos_token_ids=eos_token_ids,
             detokenizer=IncrementalDetokenizer(decoder, request.sampling.stop),
+            arrival_s=request.arrival_ts,
         )
 
     @property
@@ -61,6 +68,24 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_max_tokens(self) -> int:
+        """The most tokens this sequence can ever hold: prompt plus max_tokens."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole list."""
+        num_prompt = self.num_prompt_tokens
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
 
     @property
     def is_finished(self) -> bool:
@@ -81,6 +106,12 @@ class Sequence:
 
     def cancel(self) -> SequenceOutput:
         return self._finish("cancelled", "", num_new_tokens=0)
+
+    def refuse(self, reason: str) -> SequenceOutput:
+        """End a sequence that cannot be served (it would never fit the KV cache)."""
+        output = self._finish("error", "", num_new_tokens=0)
+        output.error = reason
+        return output
 
     def _is_stop_token(self, token_id: int) -> bool:
         if token_id in self.sampling.stop_token_ids:

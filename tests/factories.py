@@ -1,0 +1,48 @@
+"""Small factories for engine-level tests (vLLM's `create_requests` style)."""
+
+from __future__ import annotations
+
+from shared.protocol import QueuedRequest, SamplingParams
+from worker.detokenizer import IncrementalDetokenizer
+from worker.sequence import Sequence
+
+
+class CharDecoder:
+    """Token id n decodes to chr(n): enough for bookkeeping tests without a tokenizer."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(chr(t) for t in token_ids)
+
+
+def make_request(i: int, prompt_ids: list[int], max_tokens: int, **sampling) -> QueuedRequest:
+    sampling.setdefault("temperature", 0.0)
+    return QueuedRequest(
+        request_id=f"r{i}",
+        tenant_id="t",
+        model="m",
+        deployment_id=1,
+        kind="completion",
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+        arrival_ts=float(i),
+    )
+
+
+def make_sequence(
+    i: int, num_prompt_tokens: int, max_tokens: int, decoder=None, **sampling
+) -> Sequence:
+    request = make_request(
+        i, [65 + (j % 26) for j in range(num_prompt_tokens)], max_tokens, **sampling
+    )
+    return Sequence.from_request(request, decoder or CharDecoder(), frozenset())
+
+
+def make_sequence_for(request: QueuedRequest, decoder) -> Sequence:
+    return Sequence(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=request.sampling,
+        eos_token_ids=frozenset(),
+        detokenizer=IncrementalDetokenizer(decoder, request.sampling.stop),
+        arrival_s=request.arrival_ts,
+    )

@@ -1,0 +1,125 @@
+"""Continuous batching is exact: with greedy decoding every request gets the tokens
+`model.generate` gives it alone, whatever the batch composition, arrival order, prefill
+chunking and preemptions (property-based on the tiny model, a spot check on the real one)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared import model_source
+from tests.factories import CharDecoder, make_request, make_sequence_for
+from worker.engine import ContinuousBatchingEngine
+from worker.kv_cache import KVCacheManager
+from worker.preemption import LatestArrivalFirst
+from worker.runner import loader
+from worker.runner.model_runner import ModelRunner
+from worker.scheduler import Scheduler, SchedulerConfig
+
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu")
+
+
+def _reference(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt_ids])
+    out = loaded.model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),  # on SmolLM2, pad == <|im_end|>
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=loaded.pad_token_id,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def _engine(loaded, num_blocks: int, block_size: int, max_num_seqs: int, budget: int):
+    kv = KVCacheManager(num_blocks, block_size)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget), kv, LatestArrivalFirst())
+    return ContinuousBatchingEngine(scheduler, ModelRunner(loaded, num_blocks, block_size))
+
+
+def _run(engine, arrivals: list[tuple[int, list[int], int]]) -> dict[str, list[int]]:
+    """arrivals: (step at which it arrives, prompt ids, max_tokens). Returns outputs by id."""
+    seqs = {}
+    pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
+    step = 0
+    while pending or engine.has_work():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, max_tokens) = pending.pop(0)
+            seq = make_sequence_for(make_request(i, prompt, max_tokens), CharDecoder())
+            assert engine.add(seq) is None
+            seqs[seq.request_id] = seq
+        engine.step()
+        step += 1
+        assert step < 10_000
+    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_blocks
+    return {rid: seq.output_token_ids for rid, seq in seqs.items()}
+
+
+prompts = st.lists(st.integers(1000, 20000), min_size=1, max_size=40)
+arrival = st.tuples(st.integers(0, 6), prompts, st.integers(1, MAX_NEW_TOKENS))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arrivals=st.lists(arrival, min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    spare_blocks=st.integers(0, 40),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 48),
+)
+def test_greedy_equals_generate_alone(
+    tiny, arrivals, block_size, spare_blocks, max_num_seqs, budget
+):
+    @cache
+    def reference(prompt: tuple[int, ...]) -> list[int]:
+        return _reference(tiny, list(prompt), MAX_NEW_TOKENS)
+
+    # The smallest pool that fits the largest request alone, plus some: small pools preempt.
+    largest = max(len(p) + n for _, p, n in arrivals)
+    num_blocks = -(-largest // block_size) + spare_blocks
+    engine = _engine(tiny, num_blocks, block_size, max_num_seqs, budget)
+    outputs = _run(engine, arrivals)
+    for i, (_, prompt, max_tokens) in enumerate(arrivals):
+        assert outputs[f"r{i}"] == reference(tuple(prompt))[:max_tokens]
+
+
+def test_preemption_happens_and_stays_exact(tiny):
+    arrivals = [
+        (0, list(range(1000, 1030)), 12),
+        (0, list(range(2000, 2025)), 12),
+        (1, [5000] * 9, 12),
+    ]
+    engine = _engine(tiny, num_blocks=12, block_size=4, max_num_seqs=3, budget=16)
+    outputs = _run(engine, arrivals)
+    assert engine.scheduler.num_preemptions > 0
+    for i, (_, prompt, n) in enumerate(arrivals):
+        assert outputs[f"r{i}"] == _reference(tiny, prompt, n)
+
+
+@pytest.mark.slow
+def test_real_model_spot_check():
+    loaded = loader.load(model_source.resolve(model_source.DEFAULT_MODEL_ID), "cpu")
+    tokenizer = model_source.load_tokenizer(model_source.resolve(model_source.DEFAULT_MODEL_ID))
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Water boils at a temperature of",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    ]
+    arrivals = [(0, tokenizer.encode(t), 10) for t in texts]
+    # 8-token blocks, a 16-token budget and a pool of 8 blocks: chunking and preemptions.
+    engine = _engine(loaded, num_blocks=8, block_size=8, max_num_seqs=4, budget=16)
+    outputs = _run(engine, arrivals)
+    assert engine.scheduler.num_preemptions > 0
+    for i, (_, prompt, n) in enumerate(arrivals):
+        assert outputs[f"r{i}"] == _reference(loaded, prompt, n)

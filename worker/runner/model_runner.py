@@ -1,0 +1,143 @@
+"""The continuous-batching model runner: owns the KV tensors, runs one `SchedulerOutput`.
+
+One forward pass per step over the packed tokens of every scheduled chunk (decodes first,
+then prefill chunks), with our paged attention (`paged_attention.py`) and `logits_to_keep`
+set to the last position of each chunk that samples, so the LM head runs only there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.runner import sampler
+from worker.runner.loader import LoadedModel
+from worker.runner.paged_attention import (
+    ATTENTION_NAME,
+    STEP_KWARG,
+    PagedKVCache,
+    PrefillSpan,
+    StepMetadata,
+)
+from worker.scheduler import ScheduledChunk, SchedulerOutput
+
+
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element_bytes = torch.empty((), dtype=loaded.model.dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
+
+
+def num_blocks_for_budget(loaded: LoadedModel, kv_cache_bytes: int, block_size: int) -> int:
+    return max(1, kv_cache_bytes // (kv_bytes_per_token(loaded) * block_size))
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self._loaded = loaded
+        self._model = loaded.model
+        self._device = loaded.device
+        self.block_size = block_size
+        config = self._model.config
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        shape = (
+            config.num_hidden_layers,
+            num_blocks * block_size,
+            config.num_key_value_heads,
+            head_dim,
+        )
+        self._k_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
+        self._v_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
+        self._model.set_attn_implementation(ATTENTION_NAME)
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._block_offsets = torch.arange(block_size, device=self._device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Run the step; one sampled token per sampling chunk, in `out.chunks` order."""
+        chunks = out.chunks
+        input_ids, positions, slot_mapping, keep = self._pack(chunks)
+        step = self._metadata(out, slot_mapping)
+        result = self._model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            cache=PagedKVCache(self._k_pool, self._v_pool, slot_mapping),
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self._device),
+            **{STEP_KWARG: step},
+        )
+        sampling = [c for c in chunks if c.is_sampling]
+        params = [c.seq.sampling for c in sampling]
+        generators = [self._generator(c) for c in sampling]
+        return sampler.sample(result.logits[0], params, generators)
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
+        seq = chunk.seq
+        if seq.request_id not in self._generators:
+            self._generators[seq.request_id] = sampler.make_generator(seq.sampling, self._device)
+        return self._generators[seq.request_id]
+
+    def _pack(self, chunks: list[ScheduledChunk]):
+        token_ids: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        for chunk in chunks:
+            token_ids += chunk.seq.token_ids(chunk.start, chunk.end)
+            positions += range(chunk.start, chunk.end)
+            if chunk.is_sampling:
+                keep.append(len(token_ids) - 1)
+        device = self._device
+        positions_t = torch.tensor(positions, device=device)
+        slot_mapping = torch.cat([self._slots(c.seq.block_table, c.start, c.end) for c in chunks])
+        return torch.tensor(token_ids, device=device), positions_t, slot_mapping, keep
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Pool slots of tokens [start, end) of a sequence with this block table."""
+        blocks = torch.tensor(block_table, device=self._device)
+        all_slots = (blocks[:, None] * self.block_size + self._block_offsets).flatten()
+        return all_slots[start:end]
+
+    def _metadata(self, out: SchedulerOutput, slot_mapping: torch.Tensor) -> StepMetadata:
+        decode_slots, decode_mask = self._decode_metadata(out.decodes)
+        prefills = []
+        query_start = len(out.decodes)
+        for chunk in out.prefills:
+            query_end = query_start + chunk.num_new_tokens
+            prefills.append(
+                PrefillSpan(
+                    query_start,
+                    query_end,
+                    self._slots(chunk.seq.block_table, 0, chunk.end),
+                    self._chunk_mask(chunk),
+                )
+            )
+            query_start = query_end
+        return StepMetadata(slot_mapping, len(out.decodes), decode_slots, decode_mask, prefills)
+
+    def _decode_metadata(self, decodes: list[ScheduledChunk]):
+        if not decodes:
+            return None, None
+        num_context = [c.end for c in decodes]
+        max_blocks = max(len(c.seq.block_table) for c in decodes)
+        tables = torch.tensor(
+            [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in decodes],
+            device=self._device,
+        )
+        max_context = max(num_context)
+        slots = (tables[:, :, None] * self.block_size + self._block_offsets).flatten(1)
+        slots = slots[:, :max_context]
+        lengths = torch.tensor(num_context, device=self._device)
+        mask = torch.arange(max_context, device=self._device)[None, :] < lengths[:, None]
+        return slots, mask[:, None, None, :]
+
+    def _chunk_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        if chunk.start == 0:
+            return None  # a whole causal block: SDPA's is_causal is exact here
+        query_positions = torch.arange(chunk.start, chunk.end, device=self._device)
+        key_positions = torch.arange(chunk.end, device=self._device)
+        return (key_positions[None, :] <= query_positions[:, None])[None, None]

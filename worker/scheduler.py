@@ -1,0 +1,200 @@
+"""The continuous-batching scheduler: which tokens of which sequences run in the next step.
+
+Plain Python, no torch, no I/O. The step's output is a `SchedulerOutput`; the model runner
+computes it in one forward pass and returns one sampled token per sampling chunk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.kv_cache import KVCacheManager
+from worker.preemption import PreemptionPolicy
+from worker.sequence import Sequence, SequenceOutput, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Feed tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of `seq`."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int  # seq.num_computed_tokens when scheduled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def is_sampling(self) -> bool:
+        """The chunk reaches the sequence's last token, so its last position yields a new token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt chunks, or recompute
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        """In the order the runner packs them: decodes first, then prefills."""
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget per step: bounds step time, so decode ITL
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, policy: PreemptionPolicy
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> SequenceOutput | None:
+        """Queue a sequence; refuse it at once (an error output) if it could never fit."""
+        if not self.kv_cache.can_fit_alone(seq.num_max_tokens):
+            return seq.refuse(
+                f"the request needs up to {seq.num_max_tokens} tokens of KV cache; this worker "
+                f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence"
+            )
+        self.waiting.append(seq)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        """Running sequences first, oldest first: each gets the tokens it still needs (1 for a
+        decode, the next chunk of its prompt otherwise) while the step's token budget lasts.
+        When one needs a KV block and none is free, the policy picks a victim among the
+        running sequences not yet scheduled this step (possibly the sequence itself); the
+        victim's blocks are freed and it waits, ahead of new work, to be recomputed. Then,
+        if nothing was preempted, waiting sequences are admitted in order while the budget,
+        `max_num_seqs` and the free blocks allow: a sequence is admitted only when all its
+        tokens so far fit in the free blocks, and the first that does not fit stops admission
+        (no overtaking, so a long prompt cannot starve).
+        """
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        for seq in sorted(self.running, key=lambda s: s.arrival_s):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, num_new, scheduled, out):
+                continue
+            self._schedule_chunk(seq, num_new, out)
+            scheduled.add(id(seq))
+            budget -= num_new
+        if not out.preempted:
+            self._admit(budget, out)
+        self._check_invariants()
+        return out
+
+    def _make_room(
+        self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput
+    ) -> bool:
+        """Preempt until `seq` can take its blocks; False if `seq` itself was the victim."""
+        while not self.kv_cache.can_allocate(seq, num_new):
+            candidates = [s for s in self.running if id(s) not in scheduled]
+            victim = self.policy.pick_victim(candidates)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self.kv_cache.num_blocks_for(seq.num_tokens) > self.kv_cache.num_free_blocks:
+                break
+            num_new = min(seq.num_tokens, budget)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule_chunk(seq, num_new, out)
+            budget -= num_new
+
+    def _schedule_chunk(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        self.kv_cache.allocate(seq, num_new)
+        chunk = ScheduledChunk(seq, num_new, seq.num_computed_tokens)
+        (out.decodes if num_new == 1 else out.prefills).append(chunk)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[SequenceOutput]:
+        """Advance every scheduled chunk; append the sampled tokens (one per sampling chunk,
+        in `out.chunks` order); release the sequences that finished."""
+        sampling = [chunk for chunk in out.chunks if chunk.is_sampling]
+        if len(sampling) != len(sampled):
+            raise RuntimeError(f"{len(sampled)} sampled tokens for {len(sampling)} sequences")
+        for chunk in out.chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+        outputs = []
+        for chunk, token_id in zip(sampling, sampled, strict=True):
+            if chunk.seq.is_finished:
+                continue  # aborted while the step ran
+            output = chunk.seq.append_token(token_id)
+            if output.is_finished:
+                self._release(chunk.seq)
+            outputs.append(output)
+        return outputs
+
+    def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
+        outputs = []
+        for seq in [*self.waiting, *self.running]:
+            if seq.request_id in request_ids and not seq.is_finished:
+                outputs.append(seq.cancel())
+                self._release(seq)
+        return outputs
+
+    def _release(self, seq: Sequence) -> None:
+        self.kv_cache.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _check_invariants(self) -> None:
+        num_held = sum(len(seq.block_table) for seq in self.running)
+        if num_held + self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
+            raise RuntimeError("KV blocks leaked or double-freed")
+        if any(seq.block_table for seq in self.waiting):
+            raise RuntimeError("a waiting sequence holds KV blocks")
