@@ -33,6 +33,7 @@ async def admit_completion(
     else:
         prompt_ids = _checked_token_ids(body.prompt, len(tokenizer))
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    await _check_kv_capacity(ctx, deployment, len(prompt_ids), max_tokens)
     return _queued(ctx, principal, deployment, body, "completion", prompt_ids, max_tokens)
 
 
@@ -43,11 +44,37 @@ async def admit_chat(ctx: ApiContext, principal: Principal, body: ChatBody) -> Q
     prompt_ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    # Without a limit, a chat answer may use the rest of the context (as OpenAI's API does).
-    max_tokens = body.requested_max_tokens or max(
-        deployment.max_context_tokens - len(prompt_ids), 1
+    max_tokens = body.requested_max_tokens or await _default_chat_max_tokens(
+        ctx, deployment, len(prompt_ids)
     )
+    await _check_kv_capacity(ctx, deployment, len(prompt_ids), max_tokens)
     return _queued(ctx, principal, deployment, body, "chat", list(prompt_ids), max_tokens)
+
+
+async def _default_chat_max_tokens(
+    ctx: ApiContext, deployment: ModelDeployment, num_prompt_tokens: int
+) -> int:
+    # Without a limit, a chat answer may use the rest of the context (as OpenAI's API does),
+    # or of what the workers' KV cache can hold for one sequence, if that is less.
+    limit = deployment.max_context_tokens
+    if (capacity := await ctx.kv_capacity.max_tokens(deployment.model_id)) is not None:
+        limit = min(limit, capacity)
+    return max(limit - num_prompt_tokens, 1)
+
+
+async def _check_kv_capacity(
+    ctx: ApiContext, deployment: ModelDeployment, num_prompt_tokens: int, max_tokens: int
+) -> None:
+    """Refuse, before enqueueing, a request no worker's KV cache could ever hold."""
+    capacity = await ctx.kv_capacity.max_tokens(deployment.model_id)
+    if capacity is not None and num_prompt_tokens + max_tokens > capacity:
+        raise bad_request(
+            f"The request needs up to {num_prompt_tokens + max_tokens} tokens of KV cache "
+            f"({num_prompt_tokens} in the prompt, {max_tokens} for max_tokens); the workers "
+            f"serving `{deployment.model_id}` hold at most {capacity} per sequence.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 async def _deployment(ctx: ApiContext, model: str) -> ModelDeployment:

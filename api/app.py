@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.context import ApiContext, TokenizerCache
+from api.context import ApiContext, KVCapacity, TokenizerCache
 from api.errors import APIError
 from api.routes import routes
 from shared.db import create_schema, make_engine
@@ -28,7 +28,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         engine = make_engine(settings)
         create_schema(engine)
         redis = async_client(settings.redis_url)
-        ctx = ApiContext(settings, engine, redis, TokenizerCache(settings))
+        ctx = ApiContext(settings, engine, redis, TokenizerCache(settings), KVCapacity(redis))
         try:
             yield {"ctx": ctx}
         finally:

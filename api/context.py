@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
-from shared import model_source
+from shared import keys, model_source
 from shared.settings import Settings
 from shared.tables import ModelDeployment
 
@@ -38,8 +39,29 @@ class TokenizerCache:
 
 
 @dataclass
+class KVCapacity:
+    """Per model, the most tokens one sequence can hold on the smallest live worker's KV cache,
+    as workers publish it; re-read at most every `ttl_s`. None when no worker has said."""
+
+    redis: aioredis.Redis
+    ttl_s: float = 2.0
+    _cached: dict[str, tuple[float, int | None]] = field(default_factory=dict)
+
+    async def max_tokens(self, model: str) -> int | None:
+        now = time.monotonic()
+        cached = self._cached.get(model)
+        if cached is not None and now - cached[0] < self.ttl_s:
+            return cached[1]
+        smallest = await self.redis.zrange(keys.model_capacity(model), 0, 0, withscores=True)
+        value = int(smallest[0][1]) if smallest else None
+        self._cached[model] = (now, value)
+        return value
+
+
+@dataclass
 class ApiContext:
     settings: Settings
     engine: Engine
     redis: aioredis.Redis
     tokenizers: TokenizerCache
+    kv_capacity: KVCapacity

@@ -35,7 +35,7 @@ def up(
     model: Annotated[
         str, typer.Option(help="Model deployment the local worker serves.")
     ] = "smollm2-135m",
-    batching: Annotated[str, typer.Option(help="one | static")] = "static",
+    batching: Annotated[str, typer.Option(help="continuous | static | one")] = "continuous",
 ) -> None:
     """Start everything locally: Redis, the API and one worker; print the URL and a dev key."""
     from shared.up import run_local
@@ -67,13 +67,23 @@ def api(
 @app.command()
 def worker(
     model: Annotated[str, typer.Option(help="Model id of the deployment to serve.")],
-    batching: Annotated[str, typer.Option(help="one | static")] = "static",
-    max_batch_size: Annotated[int, typer.Option(help="Sequences per batch.")] = 8,
+    batching: Annotated[str, typer.Option(help="continuous | static | one")] = "continuous",
+    max_batch_size: Annotated[int, typer.Option(help="static: sequences per batch.")] = 8,
+    max_num_seqs: Annotated[int, typer.Option(help="continuous: sequences in the batch.")] = 64,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="continuous: tokens per step (prefill chunk budget).")
+    ] = 256,
+    block_size: Annotated[int, typer.Option(help="continuous: tokens per KV block.")] = 16,
+    kv_cache_gb: Annotated[
+        float | None,
+        typer.Option(help="continuous: KV pool size (default 2 on CPU, 85% of free GPU memory)."),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
 ) -> None:
     """Run a worker that serves one model deployment."""
     from shared import deployments
     from shared.model_source import DEFAULT_MODEL_ID
+    from worker.engine import EngineConfig
     from worker.service import Worker, WorkerConfig
 
     _setup_logging()
@@ -85,8 +95,15 @@ def worker(
         raise typer.BadParameter(
             f"no deployment for model {model!r}; add one with `llmfleet model add`"
         )
-    config = WorkerConfig(batching=batching, max_batch_size=max_batch_size, device=device)
-    service = Worker(get_settings(), engine, deployment, config)
+    engine_config = EngineConfig(
+        batching=batching,
+        max_batch_size=max_batch_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        kv_cache_gb=kv_cache_gb,
+    )
+    service = Worker(get_settings(), engine, deployment, WorkerConfig(engine_config, device))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -7,7 +7,9 @@ Layout (all under the `llmfleet:` prefix):
 - consumer group `workers`        on every tenant stream; each worker process is a consumer.
 - `llmfleet:req:{request_id}`     pub/sub channel: token, final and error events for one request.
 - `llmfleet:cancel:{model}`       pub/sub channel: request ids whose client went away.
-- `llmfleet:worker:{worker_id}`   hash with a TTL: a worker's heartbeat and load state.
+- `llmfleet:worker:{worker_id}`   hash with a TTL: a worker's heartbeat, load state, engine stats.
+- `llmfleet:capacity:{model}`     sorted set: worker id -> most tokens (prompt + max_tokens) one
+                                  sequence can hold in that worker's KV cache.
 """
 
 from __future__ import annotations
@@ -38,3 +40,7 @@ def worker_heartbeat(worker_id: str) -> str:
 
 def worker_heartbeat_pattern() -> str:
     return f"{PREFIX}:worker:*"
+
+
+def model_capacity(model: str) -> str:
+    return f"{PREFIX}:capacity:{model}"

@@ -190,12 +190,23 @@ def _wait_ready(url: str, process: subprocess.Popen, log_path: Path) -> None:
         client.close()
 
 
+# The tiny model's KV cache takes 512 bytes per token: this pool holds 32 blocks of 16 tokens.
+TINY_KV_CACHE_GB = 32 * 16 * 512 / 2**30
+TINY_KV_CAPACITY_TOKENS = 512
+
+
 @pytest.fixture(scope="session")
 def tiny_worker(start_worker, tiny_deployment):
-    """One static-batching worker for the tiny model, shared by the fast end-to-end tests."""
-    return start_worker(tiny_deployment.model_id, "--batching", "static", "--max-batch-size", "4")
+    """One continuous-batching worker for the tiny model with a small KV pool (512 tokens),
+    shared by the fast end-to-end tests."""
+    return start_worker(
+        tiny_deployment.model_id,
+        "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "64",
+        "--kv-cache-gb", str(TINY_KV_CACHE_GB),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def real_worker(start_worker, default_deployment):
-    return start_worker(DEFAULT_MODEL_ID, "--batching", "static")
+    return start_worker(DEFAULT_MODEL_ID)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 from sqlmodel import Session, select
 
+from shared import keys
+from shared.protocol import ErrorEvent, decode_event
 from shared.tables import UsageRecord
+from tests.conftest import TINY_KV_CAPACITY_TOKENS
+from tests.factories import make_request
 from tests.helpers import auth, stream
 
 
@@ -29,7 +34,7 @@ def test_client_disconnect_cancels_generation(
     api_url, tiny_worker, tiny_deployment, make_tenant, db
 ):
     _, key = make_tenant("cancel")
-    max_tokens = 900
+    max_tokens = 450
     body = {
         "model": tiny_deployment.model_id,
         "prompt": "go",
@@ -69,3 +74,38 @@ def test_two_deployments_served_through_one_api(
     assert a.text != b.text  # different weights, so each answer came from its own worker
     models = httpx.get(f"{api_url}/v1/models", headers=auth(key)).json()["data"]
     assert {tiny_deployment.model_id, tiny_deployment_b.model_id} <= {m["id"] for m in models}
+
+
+def test_kv_capacity_is_refused_at_the_api(api_url, tiny_worker, tiny_deployment, make_tenant, rdb):
+    tenant_id, key = make_tenant("capacity")
+    body = {"model": tiny_deployment.model_id, "prompt": "hello", "max_tokens": 600}
+    response = httpx.post(f"{api_url}/v1/completions", json=body, headers=auth(key), timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "KV cache" in error["message"]
+    assert str(TINY_KV_CAPACITY_TOKENS) in error["message"]
+    assert rdb.exists(keys.tenant_stream(tiny_deployment.model_id, tenant_id)) == 0
+
+
+def test_worker_refuses_what_its_kv_cache_can_never_hold(tiny_worker, tiny_deployment, rdb):
+    """Should a request slip past the API's check (say, a worker with a smaller pool joined),
+    the worker answers with an error event instead of failing or waiting forever."""
+    request = make_request(0, list(range(1000, 1100)), 500)
+    request = request.model_copy(
+        update={"request_id": f"cmpl-{uuid.uuid4().hex}", "model": tiny_deployment.model_id}
+    )
+    pubsub = rdb.pubsub()
+    pubsub.subscribe(keys.request_channel(request.request_id))
+    pubsub.get_message(timeout=5)
+    rdb.sadd(keys.model_tenants(request.model), request.tenant_id)
+    rdb.xadd(keys.tenant_stream(request.model, request.tenant_id), request.to_fields())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=1)
+        if message and message["type"] == "message":
+            event = decode_event(message["data"])
+            break
+    else:
+        raise AssertionError("no event")
+    pubsub.close()
+    assert isinstance(event, ErrorEvent) and event.code == "kv_cache_capacity"

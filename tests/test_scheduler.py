@@ -71,7 +71,11 @@ def test_preemption_takes_the_latest_arrival_and_requeues_it_first():
 def test_refuses_a_sequence_that_can_never_fit():
     s = _scheduler(num_blocks=4, block_size=4)
     output = s.add(make_sequence(0, 10, 7))  # 17 tokens > 16
-    assert output is not None and output.finish_reason == "error" and "KV cache" in output.error
+    assert (
+        output is not None
+        and output.finish_reason == "error"
+        and "KV cache" in output.error.message
+    )
     assert not s.has_work()
 
 

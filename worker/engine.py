@@ -11,13 +11,50 @@ engine.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
+from worker.kv_cache import KVCacheManager
+from worker.preemption import LatestArrivalFirst
+from worker.runner import model_runner
 from worker.runner.loader import LoadedModel
 from worker.runner.model_runner import ModelRunner
 from worker.runner.padded_batch import PaddedBatch
-from worker.scheduler import Scheduler
+from worker.scheduler import Scheduler, SchedulerConfig
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    batching: str = "continuous"  # "continuous" | "static" | "one"
+    max_batch_size: int = 8  # static batching
+    max_num_seqs: int = 64  # continuous batching: sequences in the batch
+    max_num_batched_tokens: int = 256  # continuous batching: tokens per step (chunked prefill)
+    block_size: int = 16  # tokens per KV block
+    kv_cache_gb: float | None = (
+        None  # KV pool size; None: 2 GB on CPU, a fraction of free GPU memory
+    )
+    gpu_memory_fraction: float = 0.85
+
+
+def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
+    if config.batching == "one":
+        return StaticBatchEngine(loaded, max_batch_size=1)
+    if config.batching == "static":
+        return StaticBatchEngine(loaded, max_batch_size=config.max_batch_size)
+    if config.batching != "continuous":
+        raise ValueError(f"unknown batching mode {config.batching!r}")
+    kv_bytes = model_runner.kv_cache_budget_bytes(
+        loaded, config.kv_cache_gb, config.gpu_memory_fraction
+    )
+    num_blocks = model_runner.num_blocks_for_budget(loaded, kv_bytes, config.block_size)
+    kv_cache = KVCacheManager(num_blocks, config.block_size)
+    scheduler = Scheduler(
+        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+        kv_cache,
+        LatestArrivalFirst(),
+    )
+    return ContinuousBatchingEngine(scheduler, ModelRunner(loaded, num_blocks, config.block_size))
 
 
 class Engine(Protocol):
@@ -29,6 +66,7 @@ class Engine(Protocol):
     def num_free_slots(self) -> int: ...
     def has_work(self) -> bool: ...
     def step(self) -> list[SequenceOutput]: ...
+    def stats(self) -> dict[str, float]: ...
 
 
 class StaticBatchEngine:
@@ -58,6 +96,9 @@ class StaticBatchEngine:
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self._running), "num_waiting": len(self._waiting)}
 
     def step(self) -> list[SequenceOutput]:
         if self._batch is None:
@@ -116,6 +157,20 @@ class ContinuousBatchingEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    @property
+    def max_num_tokens_per_sequence(self) -> int:
+        return self.scheduler.kv_cache.max_num_tokens_per_sequence
+
+    def stats(self) -> dict[str, float]:
+        scheduler = self.scheduler
+        return {
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "kv_cache_usage": round(scheduler.kv_cache.usage, 4),
+            "kv_cache_blocks": scheduler.kv_cache.num_blocks,
+            "num_preemptions": scheduler.num_preemptions,
+        }
 
     def step(self) -> list[SequenceOutput]:
         out = self.scheduler.schedule()

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from sqlalchemy.engine import Engine
 
 from shared import keys
-from shared.protocol import FinalEvent, TokenEvent, Usage, encode_event
+from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage, encode_event
 from worker import usage
 from worker.intake import Intake, StreamEntry
 from worker.sequence import SequenceOutput
@@ -34,9 +34,9 @@ class InFlight:
 
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, engine: Engine, intake: Intake) -> None:
+    def __init__(self, redis: aioredis.Redis, db: Engine, intake: Intake) -> None:
         self._redis = redis
-        self._engine = engine
+        self._db = db
         self._intake = intake
         self.inflight: dict[str, InFlight] = {}
         self._finishing: set[asyncio.Task] = set()
@@ -70,14 +70,27 @@ class Publisher:
     async def _finish(self, flight: InFlight, output: SequenceOutput) -> None:
         request = flight.entry.request
         try:
-            await asyncio.to_thread(usage.record, self._engine, request, output)
+            await asyncio.to_thread(usage.record, self._db, request, output)
         except Exception:
             # Not acknowledged: the entry stays pending and its usage is retried on reclaim.
             log.exception("usage record failed for %s", request.request_id)
             is_recorded = False
         else:
             is_recorded = True
-        event = FinalEvent(
+        await self._redis.publish(
+            keys.request_channel(request.request_id),
+            encode_event(self._final_event(flight, output)),
+        )
+        if is_recorded:
+            await self._intake.ack(flight.entry)
+
+    @staticmethod
+    def _final_event(flight: InFlight, output: SequenceOutput) -> FinalEvent | ErrorEvent:
+        if output.error is not None:
+            return ErrorEvent(
+                seq=flight.next_seq(), code=output.error.code, message=output.error.message
+            )
+        return FinalEvent(
             seq=flight.next_seq(),
             text=output.text,
             finish_reason=output.finish_reason,
@@ -86,6 +99,3 @@ class Publisher:
                 completion_tokens=output.num_output_tokens,
             ),
         )
-        await self._redis.publish(keys.request_channel(request.request_id), encode_event(event))
-        if is_recorded:
-            await self._intake.ack(flight.entry)

@@ -73,8 +73,9 @@ class Scheduler:
         """Queue a sequence; refuse it at once (an error output) if it could never fit."""
         if not self.kv_cache.can_fit_alone(seq.num_max_tokens):
             return seq.refuse(
+                "kv_cache_capacity",
                 f"the request needs up to {seq.num_max_tokens} tokens of KV cache; this worker "
-                f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence"
+                f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence",
             )
         self.waiting.append(seq)
         return None

@@ -15,6 +15,12 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    code: str
+    message: str
+
+
 @dataclass(slots=True)
 class SequenceOutput:
     """What one engine step produced for one sequence."""
@@ -25,7 +31,7 @@ class SequenceOutput:
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" once finished
     num_prompt_tokens: int
     num_output_tokens: int
-    error: str | None = None
+    error: ErrorInfo | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -107,10 +113,10 @@ class Sequence:
     def cancel(self) -> SequenceOutput:
         return self._finish("cancelled", "", num_new_tokens=0)
 
-    def refuse(self, reason: str) -> SequenceOutput:
-        """End a sequence that cannot be served (it would never fit the KV cache)."""
+    def refuse(self, code: str, reason: str) -> SequenceOutput:
+        """End a sequence that cannot be served (e.g. it would never fit the KV cache)."""
         output = self._finish("error", "", num_new_tokens=0)
-        output.error = reason
+        output.error = ErrorInfo(code, reason)
         return output
 
     def _is_stop_token(self, token_id: int) -> bool:

@@ -13,7 +13,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -24,8 +24,7 @@ from shared.protocol import decode_cancel
 from shared.redis_conn import async_client
 from shared.settings import Settings
 from shared.tables import ModelDeployment
-from worker.engine import Engine as BatchEngine
-from worker.engine import StaticBatchEngine
+from worker.engine import EngineConfig, build_engine
 from worker.intake import Intake
 from worker.publisher import Publisher
 from worker.sequence import Sequence
@@ -37,8 +36,7 @@ MAX_REMEMBERED_CANCELS = 10_000
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    batching: str = "static"  # "one" | "static"
-    max_batch_size: int = 8
+    engine: EngineConfig = field(default_factory=EngineConfig)
     device: str = "auto"
 
 
@@ -55,6 +53,7 @@ class Worker:
         self._stopping = asyncio.Event()
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._engine = None
 
     def stop(self) -> None:
         """Stop pulling new work; running sequences finish, then `run` returns."""
@@ -66,7 +65,7 @@ class Worker:
         try:
             self._state = "loading"
             loaded, tokenizer = await asyncio.to_thread(self._load)
-            engine = self._make_engine(loaded)
+            engine = self._engine = build_engine(loaded, self._config.engine)
             intake = Intake(redis, self._deployment.model_id, self.worker_id)
             publisher = Publisher(redis, self._db, intake)
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
@@ -80,6 +79,7 @@ class Worker:
         finally:
             heartbeat.cancel()
             await redis.delete(keys.worker_heartbeat(self.worker_id))
+            await redis.zrem(keys.model_capacity(self._deployment.model_id), self.worker_id)
             await redis.aclose()
 
     def _load(self):
@@ -90,13 +90,6 @@ class Worker:
         tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
         return loaded, tokenizer
 
-    def _make_engine(self, loaded) -> BatchEngine:
-        if self._config.batching == "one":
-            return StaticBatchEngine(loaded, max_batch_size=1)
-        if self._config.batching == "static":
-            return StaticBatchEngine(loaded, max_batch_size=self._config.max_batch_size)
-        raise ValueError(f"unknown batching mode {self._config.batching!r}")
-
     async def _loop(self, engine, intake, publisher, tokenizer, eos_token_ids) -> None:
         idle_ms = self._settings.worker_idle_poll_ms
         while not (self._stopping.is_set() and not engine.has_work()):
@@ -105,7 +98,9 @@ class Worker:
                 block_ms = None if engine.has_work() else idle_ms
                 for entry in await intake.pull(free, block_ms):
                     publisher.track(entry)
-                    engine.add(Sequence.from_request(entry.request, tokenizer, eos_token_ids))
+                    seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
+                    if (refused := engine.add(seq)) is not None:
+                        await publisher.publish([refused])
             await publisher.publish(engine.abort(self._take_cancels(publisher)))
             if engine.has_work():
                 outputs = await asyncio.to_thread(engine.step)
@@ -135,14 +130,27 @@ class Worker:
             await asyncio.sleep(interval_s)
 
     async def _beat(self, redis: aioredis.Redis, key: str, interval_s: float) -> None:
+        model = self._deployment.model_id
         fields = {
-            "model": self._deployment.model_id,
+            "model": model,
             "state": self._state,
             "pid": os.getpid(),
-            "batching": self._config.batching,
+            "batching": self._config.engine.batching,
             "updated_at": time.time(),
+            **(self._engine.stats() if self._engine is not None else {}),
         }
         async with redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, max(1, int(interval_s * 3)))
+            capacity = getattr(self._engine, "max_num_tokens_per_sequence", None)
+            if capacity is not None:
+                pipe.zadd(keys.model_capacity(model), {self.worker_id: capacity})
             await pipe.execute()
+        await self._forget_dead_workers(redis, model)
+
+    async def _forget_dead_workers(self, redis: aioredis.Redis, model: str) -> None:
+        """Drop capacity entries of workers whose heartbeat expired (they died uncleanly)."""
+        for member in await redis.zrange(keys.model_capacity(model), 0, -1):
+            worker_id = member.decode() if isinstance(member, bytes) else member
+            if not await redis.exists(keys.worker_heartbeat(worker_id)):
+                await redis.zrem(keys.model_capacity(model), worker_id)

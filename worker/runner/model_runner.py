@@ -28,6 +28,22 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element_bytes
 
 
+DEFAULT_CPU_KV_CACHE_GB = 2.0
+
+
+def kv_cache_budget_bytes(
+    loaded: LoadedModel, kv_cache_gb: float | None, gpu_memory_fraction: float
+) -> int:
+    """The KV pool's size: as configured, else a fraction of the GPU's free memory (after the
+    weights are loaded), else a fixed default on the CPU."""
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * 2**30)
+    if loaded.device.type == "cuda":
+        free_bytes, _total = torch.cuda.mem_get_info(loaded.device)
+        return int(free_bytes * gpu_memory_fraction)
+    return int(DEFAULT_CPU_KV_CACHE_GB * 2**30)
+
+
 def num_blocks_for_budget(loaded: LoadedModel, kv_cache_bytes: int, block_size: int) -> int:
     return max(1, kv_cache_bytes // (kv_bytes_per_token(loaded) * block_size))
 
