@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from bench.command import bench as bench_command
 from shared.settings import get_settings
 
 app = typer.Typer(help="llmfleet: multi-tenant LLM serving.", no_args_is_help=True)
@@ -16,6 +17,7 @@ tenant_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=Tru
 model_app = typer.Typer(help="Model deployments.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(model_app, name="model")
+app.command("bench")(bench_command)
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -79,6 +81,9 @@ def worker(
         typer.Option(help="continuous: KV pool size (default 2 on CPU, 85% of free GPU memory)."),
     ] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bf16 on GPUs and AMX CPUs, else fp32) | float32 | bfloat16")
+    ] = "auto",
 ) -> None:
     """Run a worker that serves one model deployment."""
     from shared import deployments
@@ -103,7 +108,7 @@ def worker(
         block_size=block_size,
         kv_cache_gb=kv_cache_gb,
     )
-    service = Worker(get_settings(), engine, deployment, WorkerConfig(engine_config, device))
+    service = Worker(get_settings(), engine, deployment, WorkerConfig(engine_config, device, dtype))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

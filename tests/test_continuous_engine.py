@@ -25,7 +25,7 @@ MAX_NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu")
+    return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu", "float32")
 
 
 def _reference(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -108,7 +108,7 @@ def test_preemption_happens_and_stays_exact(tiny):
 
 @pytest.mark.slow
 def test_real_model_spot_check():
-    loaded = loader.load(model_source.resolve(model_source.DEFAULT_MODEL_ID), "cpu")
+    loaded = loader.load(model_source.resolve(model_source.DEFAULT_MODEL_ID), "cpu", "float32")
     tokenizer = model_source.load_tokenizer(model_source.resolve(model_source.DEFAULT_MODEL_ID))
     texts = [
         "The capital of France is",

@@ -14,7 +14,7 @@ from worker.sequence import Sequence
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu")
+    return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu", "float32")
 
 
 @pytest.fixture(scope="module")

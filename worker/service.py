@@ -38,6 +38,7 @@ MAX_REMEMBERED_CANCELS = 10_000
 class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     device: str = "auto"
+    dtype: str = "auto"
 
 
 class Worker:
@@ -86,7 +87,7 @@ class Worker:
         from worker.runner import loader
 
         source = model_source.resolve(self._deployment.source)
-        loaded = loader.load(source, self._config.device)
+        loaded = loader.load(source, self._config.device, self._config.dtype)
         tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
         return loaded, tokenizer
 

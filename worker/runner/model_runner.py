@@ -60,7 +60,8 @@ class ModelRunner:
         )
         shape = (
             config.num_hidden_layers,
-            num_blocks * block_size,
+            num_blocks,
+            block_size,
             config.num_key_value_heads,
             head_dim,
         )
@@ -119,37 +120,29 @@ class ModelRunner:
         return all_slots[start:end]
 
     def _metadata(self, out: SchedulerOutput, slot_mapping: torch.Tensor) -> StepMetadata:
-        decode_slots, decode_mask = self._decode_metadata(out.decodes)
+        decode_blocks, decode_mask = self._decode_metadata(out.decodes)
         prefills = []
         query_start = len(out.decodes)
         for chunk in out.prefills:
             query_end = query_start + chunk.num_new_tokens
-            prefills.append(
-                PrefillSpan(
-                    query_start,
-                    query_end,
-                    self._slots(chunk.seq.block_table, 0, chunk.end),
-                    self._chunk_mask(chunk),
-                )
-            )
+            num_blocks = -(-chunk.end // self.block_size)
+            block_ids = torch.tensor(chunk.seq.block_table[:num_blocks], device=self._device)
+            mask = self._chunk_mask(chunk)
+            prefills.append(PrefillSpan(query_start, query_end, block_ids, chunk.end, mask))
             query_start = query_end
-        return StepMetadata(slot_mapping, len(out.decodes), decode_slots, decode_mask, prefills)
+        return StepMetadata(slot_mapping, len(out.decodes), decode_blocks, decode_mask, prefills)
 
     def _decode_metadata(self, decodes: list[ScheduledChunk]):
         if not decodes:
             return None, None
-        num_context = [c.end for c in decodes]
         max_blocks = max(len(c.seq.block_table) for c in decodes)
-        tables = torch.tensor(
-            [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in decodes],
-            device=self._device,
-        )
-        max_context = max(num_context)
-        slots = (tables[:, :, None] * self.block_size + self._block_offsets).flatten(1)
-        slots = slots[:, :max_context]
-        lengths = torch.tensor(num_context, device=self._device)
-        mask = torch.arange(max_context, device=self._device)[None, :] < lengths[:, None]
-        return slots, mask[:, None, None, :]
+        # Pad block tables with block 0: those keys are masked out.
+        tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in decodes]
+        block_ids = torch.tensor(tables, device=self._device).flatten()
+        lengths = torch.tensor([c.end for c in decodes], device=self._device)
+        positions = torch.arange(max_blocks * self.block_size, device=self._device)
+        mask = positions[None, :] < lengths[:, None]
+        return block_ids, mask[:, None, None, :]
 
     def _chunk_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
         if chunk.start == 0:

@@ -9,7 +9,9 @@ and then the registered attention function, which attends per sequence:
   block tables and padded to the longest context, with a padding mask;
 - each prefill chunk in its own SDPA call, causal with the chunk's offset.
 
-The gather indices are built once per step (`StepMetadata`) and shared by all layers.
+The pool is laid out by block ([layers, blocks, block_size, kv_heads, head_dim]), so keys
+are gathered a whole block at a time (one contiguous copy per block, not per token); the
+indices are built once per step (`StepMetadata`) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ STEP_KWARG = "llmfleet_step"
 class PrefillSpan:
     query_start: int  # first query row in the packed batch
     query_end: int
-    kv_slots: torch.Tensor  # [context] slot of every key the chunk attends to
+    block_ids: torch.Tensor  # [blocks] the sequence's block table, up to the chunk's end
+    num_context: int  # keys the chunk attends to: every token up to its end
     mask: torch.Tensor | None  # [1, 1, chunk, context] bool, or None for a plain causal chunk
 
 
 @dataclass(slots=True)
 class StepMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V is written
+    slot_mapping: (
+        torch.Tensor
+    )  # [num_tokens]: flat slot (block * block_size + offset) per new token
     num_decodes: int
-    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_context]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] padded block tables
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan]
 
 
@@ -46,14 +51,15 @@ class PagedKVCache:
     """What the model sees as its cache: it writes new K/V into the pool and returns the pool."""
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor):
-        self._k_pool = k_pool  # [layers, slots, kv_heads, head_dim]
+        self._k_pool = k_pool  # [layers, blocks, block_size, kv_heads, head_dim]
         self._v_pool = v_pool
         self._slot_mapping = slot_mapping
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # [1, kv_heads, num_tokens, head_dim] -> [num_tokens, kv_heads, head_dim]
-        self._k_pool[layer_idx].index_copy_(0, self._slot_mapping, key_states[0].transpose(0, 1))
-        self._v_pool[layer_idx].index_copy_(0, self._slot_mapping, value_states[0].transpose(0, 1))
+        # [1, kv_heads, num_tokens, head_dim] -> [num_tokens, kv_heads, head_dim] into flat slots
+        for pool, states in ((self._k_pool, key_states), (self._v_pool, value_states)):
+            flat = pool[layer_idx].flatten(0, 1)  # a view: [slots, kv_heads, head_dim]
+            flat.index_copy_(0, self._slot_mapping, states[0].transpose(0, 1))
         return self._k_pool[layer_idx], self._v_pool[layer_idx]
 
 
@@ -75,11 +81,17 @@ def paged_attention(module, query, key_pool, value_pool, attention_mask, scaling
     return out.unsqueeze(0), None
 
 
+def _gather(pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Blocks of one layer's pool -> [num_rows, kv_heads, context, head_dim]."""
+    blocks = pool.index_select(0, block_ids)  # [rows * blocks, block_size, kv_heads, dim]
+    return blocks.view(num_rows, -1, *pool.shape[2:]).transpose(1, 2)
+
+
 def _decode(q, key_pool, value_pool, step: StepMetadata, scaling) -> torch.Tensor:
     # q: [heads, num_decodes, head_dim] -> [num_decodes, heads, 1, head_dim]
     q = q.transpose(0, 1).unsqueeze(2)
-    k = key_pool[step.decode_kv_slots].transpose(1, 2)  # [num_decodes, kv_heads, context, dim]
-    v = value_pool[step.decode_kv_slots].transpose(1, 2)
+    k = _gather(key_pool, step.decode_block_ids, step.num_decodes)
+    v = _gather(value_pool, step.decode_block_ids, step.num_decodes)
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True
     )
@@ -88,8 +100,8 @@ def _decode(q, key_pool, value_pool, step: StepMetadata, scaling) -> torch.Tenso
 
 def _prefill(q, key_pool, value_pool, span: PrefillSpan, scaling) -> torch.Tensor:
     q = q[:, span.query_start : span.query_end].unsqueeze(0)  # [1, heads, chunk, dim]
-    k = key_pool[span.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context, dim]
-    v = value_pool[span.kv_slots].transpose(0, 1).unsqueeze(0)
+    k = _gather(key_pool, span.block_ids, 1)[:, :, : span.num_context]
+    v = _gather(value_pool, span.block_ids, 1)[:, :, : span.num_context]
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=True
     )

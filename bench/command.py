@@ -1,0 +1,178 @@
+"""`llmfleet bench`: load a running platform (or any OpenAI-compatible URL) and/or the engine
+directly with one seeded workload, and report TTFT, TPOT, ITL, E2E, throughput and goodput.
+
+- `--url URL --api-key KEY`: over HTTP/SSE, open loop (the full stack).
+- `--engine-direct`: the same workload straight into an in-process engine (no HTTP/Redis).
+- both: also prints full stack / engine-direct throughput.
+- `--compare`: one-at-a-time, static and continuous batching, engine-direct, on the same
+  workload in one invocation, with the ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+
+# Heavy modules (numpy, matplotlib, torch) are imported inside the functions, so that every
+# other `llmfleet` command starts fast.
+
+COMPARED_MODES = ("one", "static", "continuous")
+
+
+def bench(
+    url: Annotated[str | None, typer.Option(help="OpenAI-compatible base URL (no /v1).")] = None,
+    api_key: Annotated[str, typer.Option(envvar="LLMFLEET_API_KEY")] = "none",
+    model: Annotated[str, typer.Option(help="Model name sent over HTTP.")] = "smollm2-135m",
+    engine_direct: Annotated[bool, typer.Option(help="Also run the engine in-process.")] = False,
+    compare: Annotated[
+        bool, typer.Option(help="one vs static vs continuous, engine-direct.")
+    ] = False,
+    num_requests: int = 64,
+    seed: int = 0,
+    arrival: Annotated[str, typer.Option(help="burst | poisson")] = "burst",
+    rate_per_s: float = 16.0,
+    burst_window_s: float = 3.0,
+    prompt_tokens_min: int = 32,
+    prompt_tokens_max: int = 512,
+    output_tokens_mean: float = 128.0,
+    output_tokens_max: int = 512,
+    long_prompt_fraction: float = 0.0,
+    long_prompt_tokens: int = 2048,
+    max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")] = None,
+    slo_ttft_s: float = 2.0,
+    slo_tpot_s: float = 0.2,
+    source: Annotated[str, typer.Option(help="Weights for engine-direct runs.")] = "smollm2-135m",
+    batching: Annotated[str, typer.Option(help="Engine-direct engine.")] = "continuous",
+    max_batch_size: int = 8,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 256,
+    kv_cache_gb: float | None = None,
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16")] = "auto",
+    json_path: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+    plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG here.")] = None,
+) -> None:
+    """Benchmark llmfleet (or a peer) with an open-loop, seeded workload."""
+    from bench.client import run_http
+    from bench.workload import make_workload
+
+    workload = make_workload(
+        num_requests,
+        seed=seed,
+        arrival=arrival,
+        rate_per_s=rate_per_s,
+        burst_window_s=burst_window_s,
+        prompt_tokens_min=prompt_tokens_min,
+        prompt_tokens_max=prompt_tokens_max,
+        output_tokens_mean=output_tokens_mean,
+        output_tokens_max=output_tokens_max,
+        long_prompt_fraction=long_prompt_fraction,
+        long_prompt_tokens=long_prompt_tokens,
+    )
+    runs: dict[str, tuple[list, float, dict]] = {}
+    if url:
+        results, duration_s = asyncio.run(
+            run_http(url, api_key, model, workload, max_concurrency=max_concurrency)
+        )
+        runs[f"http:{model}"] = (results, duration_s, {})
+    modes = COMPARED_MODES if compare else ((batching,) if engine_direct else ())
+    if modes:
+        from bench.engine_direct import run_engine
+        from shared import model_source
+        from worker.engine import EngineConfig, build_engine
+        from worker.runner import loader
+
+        resolved = model_source.resolve(source)
+        loaded = loader.load(resolved, "auto", dtype)
+        decoder = model_source.load_tokenizer(resolved)
+        for mode in modes:
+            config = EngineConfig(
+                batching=mode,
+                max_batch_size=max_batch_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                kv_cache_gb=kv_cache_gb,
+            )
+            typer.echo(f"engine-direct: {mode} ...")
+            run = run_engine(build_engine(loaded, config), decoder, workload)
+            extra = _kv_stats(run.kv_cache_usage) | {"num_steps": run.num_steps}
+            runs[f"engine:{mode}"] = (run.results, run.duration_s, extra)
+    if not runs:
+        raise typer.BadParameter("give --url, --engine-direct or --compare")
+    _report(
+        runs,
+        workload_args=locals(),
+        slo=(slo_ttft_s, slo_tpot_s),
+        json_path=json_path,
+        plot_path=plot_path,
+    )
+
+
+def _kv_stats(samples: list[float]) -> dict:
+    if not samples:
+        return {}
+    return {"kv_cache_usage_mean": sum(samples) / len(samples), "kv_cache_usage_max": max(samples)}
+
+
+def _report(runs, *, workload_args: dict, slo: tuple[float, float], json_path, plot_path) -> None:
+    from bench import metrics, report
+
+    summaries = {
+        name: metrics.summarize(results, duration_s, slo_ttft_s=slo[0], slo_tpot_s=slo[1]) | extra
+        for name, (results, duration_s, extra) in runs.items()
+    }
+    typer.echo(report.format_table(summaries))
+    ratios = _ratios(summaries)
+    for name, value in ratios.items():
+        typer.echo(f"{name}: {value:.2f}")
+    for name, summary in summaries.items():
+        if "kv_cache_usage_max" in summary:
+            typer.echo(
+                f"{name}: KV cache usage mean {summary['kv_cache_usage_mean']:.1%}, "
+                f"max {summary['kv_cache_usage_max']:.1%}"
+            )
+    if json_path:
+        arguments = {
+            k: v for k, v in workload_args.items() if isinstance(v, int | float | str | None)
+        }
+        arguments.pop("api_key", None)
+        payload = {
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "arguments": arguments,
+            "summaries": summaries,
+            "ratios": ratios,
+            "requests": {
+                name: [asdict(r) for r in results] for name, (results, _, _) in runs.items()
+            },
+        }
+        report.write_json(json_path, payload)
+    if plot_path:
+        report.plot({name: results for name, (results, _, _) in runs.items()}, plot_path)
+
+
+def _ratios(summaries: dict[str, dict]) -> dict[str, float]:
+    """Output-throughput ratios between the runs that were made."""
+
+    def tps(name: str) -> float | None:
+        summary = summaries.get(name)
+        return summary["output_tokens_per_s"] if summary else None
+
+    ratios = {}
+    pairs = [
+        ("continuous / one (throughput)", "engine:continuous", "engine:one"),
+        ("continuous / static (throughput)", "engine:continuous", "engine:static"),
+    ]
+    pairs += [
+        (f"{name} / engine:{mode} (throughput)", name, f"engine:{mode}")
+        for name in summaries
+        if name.startswith("http:")
+        for mode in COMPARED_MODES
+    ]
+    for label, numerator, denominator in pairs:
+        top, bottom = tps(numerator), tps(denominator)
+        if top is not None and bottom:
+            ratios[label] = top / bottom
+    return ratios
