@@ -130,6 +130,7 @@ def _queued(
             top_k=body.top_k,
             seed=body.seed,
             stop=body.stop_strings,
+            stop_token_ids=tuple(body.stop_token_ids),
             ignore_eos=body.ignore_eos,
         ),
         arrival_ts=time.time(),

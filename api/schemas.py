@@ -29,6 +29,7 @@ class GenerationBody(BaseModel):
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False  # extension, for benchmarks: generate exactly max_tokens
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=16)  # extension (vLLM's)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

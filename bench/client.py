@@ -78,7 +78,7 @@ async def run_http(
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     client = _make_client(base_url, api_key, max_concurrency, timeout_s)
     async with client:
-        with _progress_bar(len(workload), show_progress) as advance:
+        with progress_bar(len(workload), show_progress) as advance:
             sender = _Sender(client, model, temperature, timeout_s, semaphore, advance)
             run_start_s = time.perf_counter()
             results = await asyncio.gather(*(sender.launch(s, run_start_s) for s in workload))
@@ -219,7 +219,7 @@ def _fail(result: RequestResult, error: str, now_s: float | None = None) -> None
 
 
 @contextmanager
-def _progress_bar(num_total: int, is_shown: bool) -> Iterator[Callable[[], None]]:
+def progress_bar(num_total: int, is_shown: bool) -> Iterator[Callable[[], None]]:
     """Yield a function that counts one completed request."""
     if not is_shown:
         yield lambda: None

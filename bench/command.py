@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Annotated
 
@@ -27,10 +28,19 @@ def bench(
     url: Annotated[str | None, typer.Option(help="OpenAI-compatible base URL (no /v1).")] = None,
     api_key: Annotated[str, typer.Option(envvar="LLMFLEET_API_KEY")] = "none",
     model: Annotated[str, typer.Option(help="Model name sent over HTTP.")] = "smollm2-135m",
+    name: Annotated[str | None, typer.Option(help="Label of the HTTP run (e.g. vllm).")] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(help="llmfleet's Redis: sample KV-cache usage from heartbeats.")
+    ] = None,
     engine_direct: Annotated[bool, typer.Option(help="Also run the engine in-process.")] = False,
     compare: Annotated[
         bool, typer.Option(help="one vs static vs continuous, engine-direct.")
     ] = False,
+    roofline: Annotated[
+        bool, typer.Option(help="Decode steps at --roofline-batch sizes vs memory bandwidth.")
+    ] = False,
+    roofline_batch: Annotated[list[int] | None, typer.Option()] = None,
+    roofline_context: int = 256,
     num_requests: int = 64,
     seed: int = 0,
     arrival: Annotated[str, typer.Option(help="burst | poisson")] = "burst",
@@ -56,6 +66,9 @@ def bench(
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG here.")] = None,
 ) -> None:
     """Benchmark llmfleet (or a peer) with an open-loop, seeded workload."""
+    if roofline:
+        _roofline(source, dtype, roofline_batch or [1, 8, 32, 64], roofline_context, json_path)
+        return
     from bench.client import run_http
     from bench.workload import make_workload
 
@@ -74,10 +87,14 @@ def bench(
     )
     runs: dict[str, tuple[list, float, dict]] = {}
     if url:
-        results, duration_s = asyncio.run(
-            run_http(url, api_key, model, workload, max_concurrency=max_concurrency)
-        )
-        runs[f"http:{model}"] = (results, duration_s, {})
+        from bench.kv_sampler import KVSampler
+
+        with KVSampler(redis_url, model) if redis_url else nullcontext() as sampler:
+            results, duration_s = asyncio.run(
+                run_http(url, api_key, model, workload, max_concurrency=max_concurrency)
+            )
+        extra = _kv_stats(sampler.samples) if sampler is not None else {}
+        runs[f"http:{name or model}"] = (results, duration_s, extra)
     modes = COMPARED_MODES if compare else ((batching,) if engine_direct else ())
     if modes:
         from bench.engine_direct import run_engine
@@ -109,6 +126,31 @@ def bench(
         json_path=json_path,
         plot_path=plot_path,
     )
+
+
+def _roofline(source: str, dtype: str, batch_sizes: list[int], context: int, json_path) -> None:
+    from bench import report, roofline
+    from shared import model_source
+    from worker.runner import loader
+
+    resolved = model_source.resolve(source)
+    loaded = loader.load(resolved, "auto", dtype)
+    decoder = model_source.load_tokenizer(resolved)
+    bandwidth = roofline.measure_bandwidth()
+    typer.echo(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; dtype {loaded.model.dtype}")
+    typer.echo("batch  context  step ms  weights MB  KV MB  roofline ms  of roofline  tok/s")
+    points = []
+    for batch_size in batch_sizes:
+        point = roofline.measure_decode(loaded, decoder, batch_size, context, bandwidth)
+        points.append(point.as_dict())
+        typer.echo(
+            f"{batch_size:5d}  {context:7d}  {point.step_s * 1e3:7.1f}  "
+            f"{point.weight_bytes / 1e6:10.0f}  {point.kv_bytes / 1e6:5.0f}  "
+            f"{point.roofline_s * 1e3:11.1f}  {point.fraction_of_roofline:11.0%}  "
+            f"{batch_size / point.step_s:5.0f}"
+        )
+    if json_path:
+        report.write_json(json_path, {"bandwidth_bytes_per_s": bandwidth, "points": points})
 
 
 def _kv_stats(samples: list[float]) -> dict:

@@ -7,51 +7,90 @@ engine costs. Arrivals are honoured open loop by wall clock, as the HTTP client 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.client import RequestResult
+from bench.client import RequestResult, progress_bar
 from bench.workload import RequestSpec
 from shared.protocol import QueuedRequest, SamplingParams
 from worker.engine import Engine
-from worker.sequence import Sequence
+from worker.sequence import Sequence, SequenceOutput
 
 
 @dataclass(slots=True)
 class EngineRun:
     results: list[RequestResult]
-    duration_s: float
+    duration_s: float = 0.0
     kv_cache_usage: list[float] = field(default_factory=list)  # one sample per step
     num_steps: int = 0
 
 
+@dataclass
+class _Driver:
+    engine: Engine
+    decoder: object
+    pending: deque[RequestSpec]
+    results: dict[int, RequestResult]
+    run: EngineRun
+    advance: Callable[[], None]
+    temperature: float
+    start_s: float = field(default_factory=time.perf_counter)
+    num_done: int = 0
+
+    def admit_arrived(self) -> None:
+        now = time.perf_counter()
+        while self.pending and self.start_s + self.pending[0].arrival_s <= now:
+            spec = self.pending.popleft()
+            self.results[spec.index].start_s = now
+            refused = self.engine.add(_sequence(spec, self.decoder, self.temperature))
+            if refused is not None:
+                self.record(refused, now)
+
+    def step_or_wait(self) -> None:
+        if not self.engine.has_work():
+            if self.pending:
+                next_s = self.start_s + self.pending[0].arrival_s
+                time.sleep(max(0.0, next_s - time.perf_counter()))
+            return
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        self.run.num_steps += 1
+        if (usage := self.engine.stats().get("kv_cache_usage")) is not None:
+            self.run.kv_cache_usage.append(usage)
+        for output in outputs:
+            self.record(output, now)
+
+    def record(self, output: SequenceOutput, now: float) -> None:
+        result = self.results[int(output.request_id)]
+        if output.num_new_tokens:
+            result.chunk_times_s.append(now)
+        result.num_prompt_tokens = output.num_prompt_tokens
+        result.num_output_tokens = output.num_output_tokens
+        if output.is_finished:
+            result.end_s = now
+            if output.error is not None:
+                result.is_ok, result.error = False, output.error.message
+            self.num_done += 1
+            self.advance()
+
+
 def run_engine(
-    engine: Engine, decoder, workload: list[RequestSpec], *, temperature: float = 0.0
+    engine: Engine,
+    decoder,
+    workload: list[RequestSpec],
+    *,
+    temperature: float = 0.0,
+    show_progress: bool = True,
 ) -> EngineRun:
     results = {spec.index: RequestResult(spec.index, True, None, 0.0) for spec in workload}
-    pending = list(workload)
-    run = EngineRun(list(results.values()), 0.0)
-    start = time.perf_counter()
-    num_done = 0
-    while num_done < len(workload):
-        now = time.perf_counter()
-        while pending and start + pending[0].arrival_s <= now:
-            spec = pending.pop(0)
-            results[spec.index].start_s = now
-            refused = engine.add(_sequence(spec, decoder, temperature))
-            if refused is not None:
-                num_done += _record(results[spec.index], refused, now)
-        if not engine.has_work():
-            if pending:
-                time.sleep(max(0.0, start + pending[0].arrival_s - time.perf_counter()))
-            continue
-        outputs = engine.step()
-        now = time.perf_counter()
-        run.num_steps += 1
-        if (usage := engine.stats().get("kv_cache_usage")) is not None:
-            run.kv_cache_usage.append(usage)
-        for output in outputs:
-            num_done += _record(results[int(output.request_id)], output, now)
-    run.duration_s = time.perf_counter() - start
+    run = EngineRun(list(results.values()))
+    with progress_bar(len(workload), show_progress) as advance:
+        driver = _Driver(engine, decoder, deque(workload), results, run, advance, temperature)
+        while driver.num_done < len(workload):
+            driver.admit_arrived()
+            driver.step_or_wait()
+    run.duration_s = time.perf_counter() - driver.start_s
     return run
 
 
@@ -69,17 +108,3 @@ def _sequence(spec: RequestSpec, decoder, temperature: float) -> Sequence:
         arrival_ts=time.time(),
     )
     return Sequence.from_request(request, decoder, frozenset())
-
-
-def _record(result: RequestResult, output, now: float) -> int:
-    """Note a step's output for a request; 1 when it finished."""
-    if output.num_new_tokens:
-        result.chunk_times_s.append(now)
-    result.num_prompt_tokens = output.num_prompt_tokens
-    result.num_output_tokens = output.num_output_tokens
-    if not output.is_finished:
-        return 0
-    result.end_s = now
-    if output.error is not None:
-        result.is_ok, result.error = False, output.error.message
-    return 1

@@ -34,6 +34,9 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's work. The runner may reorder `decodes` (their order carries no meaning);
+    `postprocess` reads the same lists afterwards."""
+
     decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt chunks, or recompute
     preempted: list[Sequence] = field(default_factory=list)

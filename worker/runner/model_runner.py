@@ -14,6 +14,7 @@ from worker.runner.loader import LoadedModel
 from worker.runner.paged_attention import (
     ATTENTION_NAME,
     STEP_KWARG,
+    DecodeGroup,
     PagedKVCache,
     PrefillSpan,
     StepMetadata,
@@ -74,6 +75,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Run the step; one sampled token per sampling chunk, in `out.chunks` order."""
+        # Decodes of similar length sit together so they can share one attention call; their
+        # order within the step is free (postprocess follows `out.chunks`, this same list).
+        out.decodes.sort(key=lambda chunk: chunk.end)
         chunks = out.chunks
         input_ids, positions, slot_mapping, keep = self._pack(chunks)
         step = self._metadata(out, slot_mapping)
@@ -120,7 +124,6 @@ class ModelRunner:
         return all_slots[start:end]
 
     def _metadata(self, out: SchedulerOutput, slot_mapping: torch.Tensor) -> StepMetadata:
-        decode_blocks, decode_mask = self._decode_metadata(out.decodes)
         prefills = []
         query_start = len(out.decodes)
         for chunk in out.prefills:
@@ -130,19 +133,28 @@ class ModelRunner:
             mask = self._chunk_mask(chunk)
             prefills.append(PrefillSpan(query_start, query_end, block_ids, chunk.end, mask))
             query_start = query_end
-        return StepMetadata(slot_mapping, len(out.decodes), decode_blocks, decode_mask, prefills)
+        return StepMetadata(slot_mapping, self._decode_groups(out.decodes), prefills)
 
-    def _decode_metadata(self, decodes: list[ScheduledChunk]):
-        if not decodes:
-            return None, None
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        """Split decodes (sorted by context, see `execute`) where the context more than
+        doubles, so no row is padded to more than twice its own length."""
+        groups = []
+        start = 0
+        for i in range(1, len(decodes) + 1):
+            if i == len(decodes) or decodes[i].end > 2 * max(decodes[start].end, self.block_size):
+                groups.append(self._decode_group(decodes[start:i], start))
+                start = i
+        return groups
+
+    def _decode_group(self, decodes: list[ScheduledChunk], query_start: int) -> DecodeGroup:
         max_blocks = max(len(c.seq.block_table) for c in decodes)
         # Pad block tables with block 0: those keys are masked out.
         tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in decodes]
         block_ids = torch.tensor(tables, device=self._device).flatten()
         lengths = torch.tensor([c.end for c in decodes], device=self._device)
         positions = torch.arange(max_blocks * self.block_size, device=self._device)
-        mask = positions[None, :] < lengths[:, None]
-        return block_ids, mask[:, None, None, :]
+        mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+        return DecodeGroup(query_start, query_start + len(decodes), block_ids, mask)
 
     def _chunk_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
         if chunk.start == 0:

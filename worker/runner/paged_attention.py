@@ -5,8 +5,10 @@ on exactly the tokens scheduled, with no padding. Each attention layer calls
 `cache.update(...)` (our `PagedKVCache` writes the new keys and values into their slots)
 and then the registered attention function, which attends per sequence:
 
-- decodes (one query token each) in one batched SDPA call, over keys gathered from their
-  block tables and padded to the longest context, with a padding mask;
+- decodes (one query token each) in batched SDPA calls, one per group of similar context
+  length (padding to the group's longest context wastes at most 2x; one long sequence among
+  short ones would otherwise make every decode pay for its length), over keys gathered from
+  their block tables, with a padding mask;
 - each prefill chunk in its own SDPA call, causal with the chunk's offset.
 
 The pool is laid out by block ([layers, blocks, block_size, kv_heads, head_dim]), so keys
@@ -28,8 +30,18 @@ STEP_KWARG = "llmfleet_step"
 
 
 @dataclass(slots=True)
-class PrefillSpan:
+class DecodeGroup:
+    """Decodes of similar context length, attended in one batched call."""
+
     query_start: int  # first query row in the packed batch
+    query_end: int
+    block_ids: torch.Tensor  # [rows * max_blocks] block tables padded to the group's longest
+    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool: which keys are real
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    query_start: int
     query_end: int
     block_ids: torch.Tensor  # [blocks] the sequence's block table, up to the chunk's end
     num_context: int  # keys the chunk attends to: every token up to its end
@@ -38,12 +50,8 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class StepMetadata:
-    slot_mapping: (
-        torch.Tensor
-    )  # [num_tokens]: flat slot (block * block_size + offset) per new token
-    num_decodes: int
-    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] padded block tables
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    slot_mapping: torch.Tensor  # [num_tokens]: flat slot (block * block_size + offset) per token
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -72,10 +80,9 @@ def paged_attention(module, query, key_pool, value_pool, attention_mask, scaling
         )
     q = query[0]  # [heads, num_tokens, head_dim]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
-    if step.num_decodes:
-        out[: step.num_decodes] = _decode(
-            q[:, : step.num_decodes], key_pool, value_pool, step, scaling
-        )
+    for group in step.decode_groups:
+        rows = slice(group.query_start, group.query_end)
+        out[rows] = _decode(q[:, rows], key_pool, value_pool, group, scaling)
     for span in step.prefills:
         out[span.query_start : span.query_end] = _prefill(q, key_pool, value_pool, span, scaling)
     return out.unsqueeze(0), None
@@ -87,15 +94,14 @@ def _gather(pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch
     return blocks.view(num_rows, -1, *pool.shape[2:]).transpose(1, 2)
 
 
-def _decode(q, key_pool, value_pool, step: StepMetadata, scaling) -> torch.Tensor:
-    # q: [heads, num_decodes, head_dim] -> [num_decodes, heads, 1, head_dim]
-    q = q.transpose(0, 1).unsqueeze(2)
-    k = _gather(key_pool, step.decode_block_ids, step.num_decodes)
-    v = _gather(value_pool, step.decode_block_ids, step.num_decodes)
+def _decode(q, key_pool, value_pool, group: DecodeGroup, scaling) -> torch.Tensor:
+    q = q.transpose(0, 1).unsqueeze(2)  # [heads, rows, dim] -> [rows, heads, 1, dim]
+    k = _gather(key_pool, group.block_ids, q.shape[0])
+    v = _gather(value_pool, group.block_ids, q.shape[0])
     o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=step.decode_mask, scale=scaling, enable_gqa=True
+        q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True
     )
-    return o[:, :, 0, :]  # [num_decodes, heads, head_dim]
+    return o[:, :, 0, :]  # [rows, heads, dim]
 
 
 def _prefill(q, key_pool, value_pool, span: PrefillSpan, scaling) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Saturated decode against the memory-bandwidth roofline.
+
+A decode step must read every weight once and every cached key and value of every sequence
+once, so its floor is (weight bytes + KV bytes read) / memory bandwidth. This measures the
+bandwidth (a large tensor reduction), times steady decode steps of the continuous engine at
+several batch sizes, and reports the fraction of the roofline each step reaches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from shared.protocol import QueuedRequest, SamplingParams
+from worker.engine import EngineConfig, build_engine
+from worker.runner.loader import LoadedModel
+from worker.runner.model_runner import kv_bytes_per_token
+from worker.sequence import Sequence
+
+BANDWIDTH_PROBE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class RooflinePoint:
+    batch_size: int
+    context_tokens: int
+    step_s: float
+    weight_bytes: int
+    kv_bytes: int
+    bandwidth_bytes_per_s: float
+
+    @property
+    def roofline_s(self) -> float:
+        return (self.weight_bytes + self.kv_bytes) / self.bandwidth_bytes_per_s
+
+    @property
+    def fraction_of_roofline(self) -> float:
+        return self.roofline_s / self.step_s
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {
+            "roofline_s": self.roofline_s,
+            "fraction_of_roofline": self.fraction_of_roofline,
+            "tokens_per_s": self.batch_size / self.step_s,
+        }
+
+
+def measure_bandwidth(num_repeats: int = 8) -> float:
+    """Read bandwidth in bytes/s: summing a tensor far larger than any cache."""
+    probe = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32)
+    probe.sum()
+    start = time.perf_counter()
+    for _ in range(num_repeats):
+        probe.sum()
+    return num_repeats * BANDWIDTH_PROBE_BYTES / (time.perf_counter() - start)
+
+
+def measure_decode(
+    loaded: LoadedModel,
+    decoder,
+    batch_size: int,
+    context_tokens: int,
+    bandwidth: float,
+    num_steps: int = 10,
+) -> RooflinePoint:
+    engine = build_engine(
+        loaded,
+        EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=batch_size * context_tokens),
+    )
+    for i in range(batch_size):
+        engine.add(_sequence(i, context_tokens, decoder))
+    engine.step()  # the prefill of every sequence, in one step
+    for _ in range(2):
+        engine.step()  # warm-up decodes
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    step_s = (time.perf_counter() - start) / num_steps
+    mean_context = context_tokens + 3 + num_steps / 2
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    kv_bytes = int(batch_size * mean_context * kv_bytes_per_token(loaded))
+    return RooflinePoint(batch_size, context_tokens, step_s, weight_bytes, kv_bytes, bandwidth)
+
+
+def _sequence(i: int, num_tokens: int, decoder) -> Sequence:
+    request = QueuedRequest(
+        request_id=str(i),
+        tenant_id="roofline",
+        model="roofline",
+        deployment_id=0,
+        kind="completion",
+        prompt_token_ids=[1000 + (i * 7 + j) % 19000 for j in range(num_tokens)],
+        sampling=SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+        arrival_ts=float(i),
+    )
+    return Sequence.from_request(request, decoder, frozenset())
