@@ -204,6 +204,7 @@ def tiny_worker(start_worker, tiny_deployment):
         "--max-num-seqs", "8",
         "--max-num-batched-tokens", "64",
         "--kv-cache-gb", str(TINY_KV_CACHE_GB),
+        "--dtype", "float32",  # the 512 bytes per token above are fp32's
     )  # fmt: skip
 
 

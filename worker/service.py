@@ -1,7 +1,7 @@
 """The worker process: load the model, then loop pull -> step -> publish until told to stop.
 
-The engine step runs in a thread (torch releases the GIL in its kernels), so Redis I/O,
-cancellations and heartbeats go on in the event loop while the model computes.
+The engine step runs on a dedicated thread (torch releases the GIL in its kernels), so Redis
+I/O, cancellations and heartbeats go on in the event loop while the model computes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -55,6 +56,13 @@ class Worker:
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._engine = None
+        # All torch work (load, KV pool allocation, every step) runs on this one thread: each
+        # thread that runs a parallel torch op gets an OpenMP team of its own, and with two
+        # teams in the process a decode step measured 125 ms instead of 93 (batch 32, CPU).
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def _on_engine_thread(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn)
 
     def stop(self) -> None:
         """Stop pulling new work; running sequences finish, then `run` returns."""
@@ -65,15 +73,15 @@ class Worker:
         heartbeat = asyncio.create_task(self._heartbeat(redis))
         try:
             self._state = "loading"
-            loaded, tokenizer = await asyncio.to_thread(self._load)
-            engine = self._engine = build_engine(loaded, self._config.engine)
+            engine, tokenizer, eos_token_ids = await self._on_engine_thread(self._load)
+            self._engine = engine
             intake = Intake(redis, self._deployment.model_id, self.worker_id)
             publisher = Publisher(redis, self._db, intake)
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
             self._state = "ready"
             log.info("worker %s ready for %s", self.worker_id, self._deployment.model_id)
             try:
-                await self._loop(engine, intake, publisher, tokenizer, loaded.eos_token_ids)
+                await self._loop(engine, intake, publisher, tokenizer, eos_token_ids)
             finally:
                 cancels.cancel()
                 await publisher.drain()
@@ -89,7 +97,7 @@ class Worker:
         source = model_source.resolve(self._deployment.source)
         loaded = loader.load(source, self._config.device, self._config.dtype)
         tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
-        return loaded, tokenizer
+        return build_engine(loaded, self._config.engine), tokenizer, loaded.eos_token_ids
 
     async def _loop(self, engine, intake, publisher, tokenizer, eos_token_ids) -> None:
         idle_ms = self._settings.worker_idle_poll_ms
@@ -104,7 +112,7 @@ class Worker:
                         await publisher.publish([refused])
             await publisher.publish(engine.abort(self._take_cancels(publisher)))
             if engine.has_work():
-                outputs = await asyncio.to_thread(engine.step)
+                outputs = await self._on_engine_thread(engine.step)
                 await publisher.publish(outputs)
 
     def _take_cancels(self, publisher: Publisher) -> set[str]:
