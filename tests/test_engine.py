@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared import model_source
-from shared.protocol import QueuedRequest, SamplingParams
+from tests.factories import make_request
 from worker.engine import StaticBatchEngine
 from worker.runner import loader
 from worker.sequence import Sequence
@@ -20,19 +20,6 @@ def loaded(tiny_model_dir):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return model_source.load_tokenizer(model_source.resolve(str(tiny_model_dir)))
-
-
-def _request(i: int, prompt_ids: list[int], max_tokens: int, **sampling) -> QueuedRequest:
-    return QueuedRequest(
-        request_id=f"r{i}",
-        tenant_id="t",
-        model="tiny",
-        deployment_id=1,
-        kind="completion",
-        prompt_token_ids=prompt_ids,
-        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
-        arrival_ts=0.0,
-    )
 
 
 def _reference(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -62,7 +49,7 @@ def test_greedy_matches_generate_alone(loaded, tokenizer, max_batch_size):
     prompts = [[1, 2, 3, 4, 5], [100, 200], [7] * 11, [42, 43, 44]]
     lengths = [6, 9, 4, 7]
     requests = [
-        _request(i, p, n, temperature=0)
+        make_request(i, p, n, temperature=0)
         for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
     outputs = _run(StaticBatchEngine(loaded, max_batch_size), requests, tokenizer, loaded)
@@ -74,13 +61,16 @@ def test_seeded_sampling_does_not_depend_on_batch(loaded, tokenizer):
     prompt = [10, 20, 30]
     alone = _run(
         StaticBatchEngine(loaded, 1),
-        [_request(0, prompt, 8, temperature=1.0, seed=3)],
+        [make_request(0, prompt, 8, temperature=1.0, seed=3)],
         tokenizer,
         loaded,
     )
     mixed = _run(
         StaticBatchEngine(loaded, 4),
-        [_request(0, prompt, 8, temperature=1.0, seed=3), _request(1, [5, 6], 5, temperature=0.7)],
+        [
+            make_request(0, prompt, 8, temperature=1.0, seed=3),
+            make_request(1, [5, 6], 5, temperature=0.7),
+        ],
         tokenizer,
         loaded,
     )
@@ -89,7 +79,10 @@ def test_seeded_sampling_does_not_depend_on_batch(loaded, tokenizer):
 
 def test_abort_frees_the_batch(loaded, tokenizer):
     engine = StaticBatchEngine(loaded, 2)
-    requests = [_request(0, [1, 2], 50, temperature=0), _request(1, [3, 4], 50, temperature=0)]
+    requests = [
+        make_request(0, [1, 2], 50, temperature=0),
+        make_request(1, [3, 4], 50, temperature=0),
+    ]
     seqs = [Sequence.from_request(r, tokenizer, frozenset()) for r in requests]
     for seq in seqs:
         engine.add(seq)
