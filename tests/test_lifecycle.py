@@ -31,7 +31,7 @@ def _wait_for_usage(db, request_id: str, timeout_s: float = 30) -> UsageRecord:
 
 
 def test_client_disconnect_cancels_generation(
-    api_url, tiny_worker, tiny_deployment, make_tenant, db
+    api_url, tiny_worker, tiny_deployment, make_tenant, db, rdb
 ):
     _, key = make_tenant("cancel")
     max_tokens = 450
@@ -58,6 +58,22 @@ def test_client_disconnect_cancels_generation(
     record = _wait_for_usage(db, request_id)
     assert record.finish_reason == "cancelled"
     assert 3 <= record.output_tokens < max_tokens
+    # ...and its KV blocks went back to the pool (the worker reports usage in its heartbeat).
+    assert _wait_for_kv_usage(rdb, tiny_worker.pid) == 0.0
+
+
+def _wait_for_kv_usage(rdb, pid: int, timeout_s: float = 10) -> float:
+    deadline = time.monotonic() + timeout_s
+    usage = None
+    while time.monotonic() < deadline:
+        for key in rdb.scan_iter(keys.worker_heartbeat_pattern()):
+            info = rdb.hgetall(key)
+            if info.get(b"pid") == str(pid).encode() and b"kv_cache_usage" in info:
+                usage = float(info[b"kv_cache_usage"])
+        if usage == 0.0:
+            return usage
+        time.sleep(0.2)
+    return usage
 
 
 def test_two_deployments_served_through_one_api(
