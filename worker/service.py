@@ -116,7 +116,8 @@ class Worker:
                 await publisher.publish(outputs)
 
     def _take_cancels(self, publisher: Publisher) -> set[str]:
-        return {rid for rid in self._cancelled if rid in publisher.inflight}
+        # Scan what is in flight (at most a batch), not the remembered cancels (up to 10k).
+        return {rid for rid in publisher.inflight if rid in self._cancelled}
 
     async def _listen_for_cancels(self, redis: aioredis.Redis) -> None:
         pubsub = redis.pubsub()
