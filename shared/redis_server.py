@@ -82,12 +82,6 @@ class EmbeddedRedis:
             self._process.kill()
             self._process.wait()
 
-    def kill(self) -> None:
-        """SIGKILL, as a crash would: for failure tests."""
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-
     def wait(self) -> int:
         assert self._process is not None
         return self._process.wait()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import httpx
@@ -119,7 +120,14 @@ def _wait_until_ready(
     stack: LocalStack, api: subprocess.Popen, worker: subprocess.Popen, model: str
 ) -> None:
     settings = stack.settings
-    client = redis.Redis.from_url(settings.redis_url)
+    with closing(redis.Redis.from_url(settings.redis_url)) as client:
+        _show_progress(stack, api, worker, model, client)
+
+
+def _show_progress(
+    stack: LocalStack, api: subprocess.Popen, worker: subprocess.Popen, model: str, client
+) -> None:
+    settings = stack.settings
     started = time.monotonic()
     with stack.console.status("") as status:
         while True:
@@ -133,7 +141,6 @@ def _wait_until_ready(
                 + ("  (loading the model's weights)" if worker_state == "loading" else "")
             )
             if worker_state == "ready" and api_state == "ready":
-                client.close()
                 return
             time.sleep(0.3)
 

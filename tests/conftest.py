@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from shared import deployments, keys, tenants
+from shared import deployments, keys, model_source, tenants
 from shared.db import create_schema, make_engine
 from shared.model_source import DEFAULT_MODEL_ID
 from shared.redis_server import EmbeddedRedis, free_port
@@ -95,6 +95,14 @@ def make_tenant(db, settings):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, settings) -> Path:
     return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"), settings.home / "cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """The tiny model loaded in this process, fp32 (exactness tests compare against it)."""
+    from worker.runner import loader
+
+    return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,12 @@ from __future__ import annotations
 from functools import cache
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import model_source
 from tests.factories import CharDecoder, make_request, make_sequence_for
+from tests.reference import greedy_alone
 from worker.engine import ContinuousBatchingEngine
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst
@@ -21,24 +21,6 @@ from worker.runner.model_runner import ModelRunner
 from worker.scheduler import Scheduler, SchedulerConfig
 
 MAX_NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu", "float32")
-
-
-def _reference(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    input_ids = torch.tensor([prompt_ids])
-    out = loaded.model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),  # on SmolLM2, pad == <|im_end|>
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=loaded.pad_token_id,
-    )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 def _engine(loaded, num_blocks: int, block_size: int, max_num_seqs: int, budget: int):
@@ -78,32 +60,32 @@ arrival = st.tuples(st.integers(0, 6), prompts, st.integers(1, MAX_NEW_TOKENS))
     budget=st.integers(1, 48),
 )
 def test_greedy_equals_generate_alone(
-    tiny, arrivals, block_size, spare_blocks, max_num_seqs, budget
+    tiny_loaded, arrivals, block_size, spare_blocks, max_num_seqs, budget
 ):
     @cache
     def reference(prompt: tuple[int, ...]) -> list[int]:
-        return _reference(tiny, list(prompt), MAX_NEW_TOKENS)
+        return greedy_alone(tiny_loaded, list(prompt), MAX_NEW_TOKENS)
 
     # The smallest pool that fits the largest request alone, plus some: small pools preempt.
     largest = max(len(p) + n for _, p, n in arrivals)
     num_blocks = -(-largest // block_size) + spare_blocks
-    engine = _engine(tiny, num_blocks, block_size, max_num_seqs, budget)
+    engine = _engine(tiny_loaded, num_blocks, block_size, max_num_seqs, budget)
     outputs = _run(engine, arrivals)
     for i, (_, prompt, max_tokens) in enumerate(arrivals):
         assert outputs[f"r{i}"] == reference(tuple(prompt))[:max_tokens]
 
 
-def test_preemption_happens_and_stays_exact(tiny):
+def test_preemption_happens_and_stays_exact(tiny_loaded):
     arrivals = [
         (0, list(range(1000, 1030)), 12),
         (0, list(range(2000, 2025)), 12),
         (1, [5000] * 9, 12),
     ]
-    engine = _engine(tiny, num_blocks=12, block_size=4, max_num_seqs=3, budget=16)
+    engine = _engine(tiny_loaded, num_blocks=12, block_size=4, max_num_seqs=3, budget=16)
     outputs = _run(engine, arrivals)
     assert engine.scheduler.num_preemptions > 0
     for i, (_, prompt, n) in enumerate(arrivals):
-        assert outputs[f"r{i}"] == _reference(tiny, prompt, n)
+        assert outputs[f"r{i}"] == greedy_alone(tiny_loaded, prompt, n)
 
 
 @pytest.mark.slow
@@ -122,4 +104,4 @@ def test_real_model_spot_check():
     outputs = _run(engine, arrivals)
     assert engine.scheduler.num_preemptions > 0
     for i, (_, prompt, n) in enumerate(arrivals):
-        assert outputs[f"r{i}"] == _reference(loaded, prompt, n)
+        assert outputs[f"r{i}"] == greedy_alone(loaded, prompt, n)

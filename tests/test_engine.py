@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared import model_source
 from tests.factories import make_request
+from tests.reference import greedy_alone
 from worker.engine import StaticBatchEngine
 from worker.runner import loader
 from worker.sequence import Sequence
@@ -14,25 +14,14 @@ from worker.sequence import Sequence
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
+    # Its own copy: the continuous engine switches a model to paged attention, under which
+    # the padded batch's 2D attention mask would be ignored.
     return loader.load(model_source.resolve(str(tiny_model_dir)), "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return model_source.load_tokenizer(model_source.resolve(str(tiny_model_dir)))
-
-
-def _reference(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    input_ids = torch.tensor([prompt_ids])
-    out = loaded.model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),  # pad == eos on SmolLM2's tokenizer
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=loaded.pad_token_id,
-    )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 def _run(engine, requests, tokenizer, loaded) -> dict[str, list[int]]:
@@ -54,7 +43,7 @@ def test_greedy_matches_generate_alone(loaded, tokenizer, max_batch_size):
     ]
     outputs = _run(StaticBatchEngine(loaded, max_batch_size), requests, tokenizer, loaded)
     for request, n in zip(requests, lengths, strict=True):
-        assert outputs[request.request_id] == _reference(loaded, request.prompt_token_ids, n)
+        assert outputs[request.request_id] == greedy_alone(loaded, request.prompt_token_ids, n)
 
 
 def test_seeded_sampling_does_not_depend_on_batch(loaded, tokenizer):

@@ -70,7 +70,6 @@ class ModelRunner:
         self._v_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
         self._model.set_attn_implementation(ATTENTION_NAME)
         self._generators: dict[str, torch.Generator | None] = {}
-        self._block_offsets = torch.arange(block_size, device=self._device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int]:
@@ -112,16 +111,20 @@ class ModelRunner:
             positions += range(chunk.start, chunk.end)
             if chunk.is_sampling:
                 keep.append(len(token_ids) - 1)
+        # Flat pool slot of each new token: block_table[position // block_size] plus offset.
+        size = self.block_size
+        slots = [
+            chunk.seq.block_table[p // size] * size + p % size
+            for chunk in chunks
+            for p in range(chunk.start, chunk.end)
+        ]
         device = self._device
-        positions_t = torch.tensor(positions, device=device)
-        slot_mapping = torch.cat([self._slots(c.seq.block_table, c.start, c.end) for c in chunks])
-        return torch.tensor(token_ids, device=device), positions_t, slot_mapping, keep
-
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        """Pool slots of tokens [start, end) of a sequence with this block table."""
-        blocks = torch.tensor(block_table, device=self._device)
-        all_slots = (blocks[:, None] * self.block_size + self._block_offsets).flatten()
-        return all_slots[start:end]
+        return (
+            torch.tensor(token_ids, device=device),
+            torch.tensor(positions, device=device),
+            torch.tensor(slots, device=device),
+            keep,
+        )
 
     def _metadata(self, out: SchedulerOutput, slot_mapping: torch.Tensor) -> StepMetadata:
         prefills = []
