@@ -119,6 +119,8 @@ def _queued(
     return QueuedRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         tenant_id=principal.tenant_id,
+        tier=principal.tier,
+        weight=principal.weight,
         model=deployment.model_id,
         deployment_id=deployment.id,
         kind=kind,

@@ -34,6 +34,8 @@ class QueuedRequest(BaseModel):
 
     request_id: str
     tenant_id: str
+    tier: int = 1  # the tenant's priority tier and fair-share weight when it was admitted
+    weight: int = 1
     model: str
     deployment_id: int
     kind: Literal["completion", "chat"]

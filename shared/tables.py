@@ -23,11 +23,17 @@ def new_id(prefix: str) -> str:
 class Tenant(SQLModel, table=True):
     id: str = Field(default_factory=lambda: new_id("ten"), primary_key=True)
     name: str = Field(unique=True, index=True)
-    tier: int = 1  # priority tier: higher wins contested admission (tenancy issue)
-    weight: int = 1  # share of the batch under weighted fair queuing
-    max_requests_in_flight: int | None = None
+    tier: int = 1  # priority tier: higher wins contested admission into the batch
+    weight: int = 1  # share of the batch under weighted fair queuing (charged in tokens)
+    # Admission limits, enforced in Redis by the API; None means unlimited.
+    max_requests_in_flight: int | None = None  # admitted and not yet finished
+    max_requests_queued: int | None = None  # admitted and not yet pulled by a worker
+    tokens_per_minute: int | None = None  # prompt + max_tokens reserved, settled on completion
+    requests_per_minute: int | None = None
+    max_tokens_per_request: int | None = None  # cap on a request's `max_tokens`
     is_disabled: bool = False
     created_at: datetime = Field(default_factory=utcnow)
+    updated_at: datetime = Field(default_factory=utcnow)
 
 
 class ApiKey(SQLModel, table=True):

@@ -17,12 +17,35 @@ KEY_PREFIX = "lf-"
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's admission limits; None means unlimited (see `Tenant`)."""
+
+    max_requests_in_flight: int | None = None
+    max_requests_queued: int | None = None
+    tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+    max_tokens_per_request: int | None = None
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantLimits:
+        return cls(
+            max_requests_in_flight=tenant.max_requests_in_flight,
+            max_requests_queued=tenant.max_requests_queued,
+            tokens_per_minute=tenant.tokens_per_minute,
+            requests_per_minute=tenant.requests_per_minute,
+            max_tokens_per_request=tenant.max_tokens_per_request,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Principal:
     """The tenant a request acts for, resolved from its bearer key."""
 
     tenant_id: str
     tenant_name: str
-    tier: int
+    tier: int = 1
+    weight: int = 1
+    limits: TenantLimits = TenantLimits()
 
 
 def hash_key(key: str, pepper: bytes) -> str:
@@ -70,4 +93,10 @@ def authenticate(engine: Engine, key: str, pepper: bytes) -> Principal | None:
         return None
     if api_key.revoked_at is not None or tenant.is_disabled:
         return None
-    return Principal(tenant_id=tenant.id, tenant_name=tenant.name, tier=tenant.tier)
+    return Principal(
+        tenant_id=tenant.id,
+        tenant_name=tenant.name,
+        tier=tenant.tier,
+        weight=tenant.weight,
+        limits=TenantLimits.of(tenant),
+    )

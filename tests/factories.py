@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from shared.protocol import QueuedRequest, SamplingParams
-from worker.detokenizer import IncrementalDetokenizer
 from worker.sequence import Sequence
 
 
@@ -14,11 +13,22 @@ class CharDecoder:
         return "".join(chr(t) for t in token_ids)
 
 
-def make_request(i: int, prompt_ids: list[int], max_tokens: int, **sampling) -> QueuedRequest:
+def make_request(
+    i: int,
+    prompt_ids: list[int],
+    max_tokens: int,
+    *,
+    tenant_id: str = "t",
+    tier: int = 1,
+    weight: int = 1,
+    **sampling,
+) -> QueuedRequest:
     sampling.setdefault("temperature", 0.0)
     return QueuedRequest(
         request_id=f"r{i}",
-        tenant_id="t",
+        tenant_id=tenant_id,
+        tier=tier,
+        weight=weight,
         model="m",
         deployment_id=1,
         kind="completion",
@@ -29,20 +39,14 @@ def make_request(i: int, prompt_ids: list[int], max_tokens: int, **sampling) -> 
 
 
 def make_sequence(
-    i: int, num_prompt_tokens: int, max_tokens: int, decoder=None, **sampling
+    i: int, num_prompt_tokens: int, max_tokens: int, decoder=None, **kwargs
 ) -> Sequence:
+    """kwargs: tenant_id, tier, weight, or sampling parameters."""
     request = make_request(
-        i, [65 + (j % 26) for j in range(num_prompt_tokens)], max_tokens, **sampling
+        i, [65 + (j % 26) for j in range(num_prompt_tokens)], max_tokens, **kwargs
     )
     return Sequence.from_request(request, decoder or CharDecoder(), frozenset())
 
 
 def make_sequence_for(request: QueuedRequest, decoder) -> Sequence:
-    return Sequence(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        sampling=request.sampling,
-        eos_token_ids=frozenset(),
-        detokenizer=IncrementalDetokenizer(decoder, request.sampling.stop),
-        arrival_s=request.arrival_ts,
-    )
+    return Sequence.from_request(request, decoder, frozenset())

@@ -46,6 +46,9 @@ class Sequence:
     eos_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
     arrival_s: float = 0.0
+    tenant_id: str = ""
+    tier: int = 1
+    weight: int = 1
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
@@ -65,6 +68,9 @@ class Sequence:
             eos_token_ids=eos_token_ids,
             detokenizer=IncrementalDetokenizer(decoder, request.sampling.stop),
             arrival_s=request.arrival_ts,
+            tenant_id=request.tenant_id,
+            tier=request.tier,
+            weight=request.weight,
         )
 
     @property
