@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api import admin
 from api.context import ApiContext, KVCapacity, TokenizerCache
 from api.errors import APIError
 from api.routes import routes
@@ -36,7 +37,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             engine.dispose()
 
     return Starlette(
-        routes=routes,
+        routes=[*routes, *admin.routes],
         lifespan=lifespan,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _crash},
     )

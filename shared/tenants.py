@@ -1,19 +1,37 @@
-"""Tenants and their API keys. A key is shown once; only its HMAC with the server pepper is stored."""
+"""Tenants and their API keys. A key is shown once; only its HMAC with the server pepper is stored.
+
+Authentication reads SQL on every request, with no cache in any process, so a key revoked or a
+tenant disabled here is refused by every API replica from its next request on.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from datetime import datetime
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
 from shared.db import session_scope
-from shared.tables import ApiKey, Tenant
+from shared.tables import ApiKey, Tenant, utcnow
 
 KEY_PREFIX = "lf-"
+LIMIT_FIELDS = (
+    "max_requests_in_flight",
+    "max_requests_queued",
+    "tokens_per_minute",
+    "requests_per_minute",
+    "max_tokens_per_request",
+)
+# What an administrator may change on a tenant (its name and id are fixed).
+UPDATABLE_FIELDS = ("tier", "weight", *LIMIT_FIELDS, "is_disabled")
+# Settings are SQL INTEGER columns, 32-bit on PostgreSQL.
+MAX_SETTING_VALUE = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +66,90 @@ class Principal:
     limits: TenantLimits = TenantLimits()
 
 
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """What may be shown about an API key: never the key, never its hash."""
+
+    id: int
+    tenant_id: str
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def of(cls, row: ApiKey) -> KeyInfo:
+        assert row.id is not None
+        return cls(row.id, row.tenant_id, row.prefix, row.created_at, row.revoked_at)
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A new key and its description; `key` is seen only here, once."""
+
+    key: str
+    info: KeyInfo
+
+
+class TenantNameTaken(Exception):
+    pass
+
+
+class InvalidTenantField(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 def hash_key(key: str, pepper: bytes) -> str:
     return hmac.new(pepper, key.encode(), hashlib.sha256).hexdigest()
 
 
-def create_tenant(engine: Engine, name: str, *, tier: int = 1, weight: int = 1) -> Tenant:
+def check_tenant_fields(fields: Mapping[str, object]) -> None:
+    """Raise InvalidTenantField unless every field is updatable and its value in range:
+    tier >= 0, weight >= 1, each limit >= 1 or None (unlimited), is_disabled a bool."""
+    for field, value in fields.items():
+        if (problem := _field_problem(field, value)) is not None:
+            raise InvalidTenantField(field, problem)
+
+
+def _field_problem(field: str, value: object) -> str | None:
+    if field not in UPDATABLE_FIELDS:
+        return "is not a tenant setting"
+    if field == "is_disabled":
+        return None if isinstance(value, bool) else "must be true or false"
+    if field in LIMIT_FIELDS and value is None:
+        return None  # unlimited
+    low = 0 if field == "tier" else 1
+    if _is_int_in(value, low, MAX_SETTING_VALUE):
+        return None
+    return f"must be an integer from {low} to {MAX_SETTING_VALUE}"
+
+
+def _is_int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def create_tenant(
+    engine: Engine,
+    name: str,
+    *,
+    tier: int = 1,
+    weight: int = 1,
+    limits: TenantLimits = TenantLimits(),
+) -> Tenant:
+    """Create a tenant; TenantNameTaken if the name is in use (the unique index decides races)."""
+    check_tenant_fields({"tier": tier, "weight": weight, **asdict(limits)})
     with session_scope(engine) as session:
-        tenant = Tenant(name=name, tier=tier, weight=weight)
+        tenant = Tenant(name=name, tier=tier, weight=weight, **asdict(limits))
         session.add(tenant)
-        session.commit()
+        try:
+            session.commit()
+        except IntegrityError:
+            raise TenantNameTaken(name) from None
         return tenant
 
 
@@ -65,17 +158,79 @@ def get_tenant_by_name(engine: Engine, name: str) -> Tenant | None:
         return session.exec(select(Tenant).where(Tenant.name == name)).first()
 
 
+def list_tenants(engine: Engine) -> list[Tenant]:
+    with session_scope(engine) as session:
+        return list(session.exec(select(Tenant).order_by(Tenant.name)))
+
+
+def update_tenant(engine: Engine, name: str, **changes: object) -> Tenant | None:
+    """Set any of `UPDATABLE_FIELDS` (a limit set to None becomes unlimited) and bump
+    `updated_at`; None if there is no such tenant. Every API replica sees the change on the
+    tenant's next request."""
+    check_tenant_fields(changes)
+    with session_scope(engine) as session:
+        tenant = session.exec(select(Tenant).where(Tenant.name == name)).first()
+        if tenant is None or not changes:
+            return tenant
+        for field, value in changes.items():
+            setattr(tenant, field, value)
+        tenant.updated_at = utcnow()
+        session.add(tenant)
+        session.commit()
+        return tenant
+
+
+def disable_tenant(engine: Engine, name: str) -> Tenant | None:
+    """Refuse every key of the tenant from now on (its keys are kept, not revoked)."""
+    return update_tenant(engine, name, is_disabled=True)
+
+
+def enable_tenant(engine: Engine, name: str) -> Tenant | None:
+    return update_tenant(engine, name, is_disabled=False)
+
+
+def issue_key(engine: Engine, tenant_id: str, pepper: bytes) -> IssuedKey:
+    """Create an API key for the tenant; the returned key is the only time it is seen."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(tenant_id=tenant_id, key_hash=hash_key(key, pepper), prefix=key[:8])
+    with session_scope(engine) as session:
+        session.add(row)
+        session.commit()
+        return IssuedKey(key, KeyInfo.of(row))
+
+
 def create_key(engine: Engine, tenant_id: str, pepper: bytes) -> str:
     """Create an API key for the tenant and return it; this is the only time it is seen."""
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    return issue_key(engine, tenant_id, pepper).key
+
+
+def list_keys(engine: Engine, tenant_id: str) -> list[KeyInfo]:
+    """The tenant's keys, revoked ones included, oldest first."""
     with session_scope(engine) as session:
-        session.add(ApiKey(tenant_id=tenant_id, key_hash=hash_key(key, pepper), prefix=key[:8]))
-        session.commit()
-    return key
+        rows = session.exec(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id))
+        return [KeyInfo.of(row) for row in rows]
+
+
+def revoke_key(engine: Engine, key_id: int) -> KeyInfo | None:
+    """Revoke a key for good; None if there is no such key. Revoking twice keeps the first
+    time. Every API replica refuses the key from its next request on."""
+    with session_scope(engine) as session:
+        row = session.get(ApiKey, key_id)
+        if row is None:
+            return None
+        if row.revoked_at is None:
+            row.revoked_at = utcnow()
+            session.add(row)
+            session.commit()
+        return KeyInfo.of(row)
 
 
 def authenticate(engine: Engine, key: str, pepper: bytes) -> Principal | None:
-    """The principal for a live key of an enabled tenant, else None."""
+    """The principal for a live key of an enabled tenant, else None.
+
+    One indexed SQL lookup per call and deliberately no cache: revoking a key or disabling a
+    tenant takes effect at once on every API replica. A cache here would need invalidation
+    broadcast to all replicas to keep that promise."""
     if not key.startswith(KEY_PREFIX):
         return None
     key_hash = hash_key(key, pepper)

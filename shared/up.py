@@ -2,7 +2,7 @@
 
 Starts the embedded Redis (unless REDIS_URL is set), prepares the database, starts the API
 and one worker as child processes (logs under `<home>/logs/`), shows progress while the
-model loads, then prints the URL and a development API key and waits for Ctrl-C.
+model loads, then prints the URL, a development API key and the admin key and waits for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import redis
 from rich.console import Console
+from rich.markup import escape
 
 from shared import deployments, keys, tenants
 from shared.db import create_schema, make_engine
@@ -175,6 +176,7 @@ def _print_ready(console: Console, settings: Settings, key: str, model: str) -> 
     url = f"http://{settings.api_host}:{settings.api_port}"
     console.print(f"\n[bold green]llmfleet is up[/bold green] at [bold]{url}[/bold]")
     console.print(f"development API key: [bold]{key}[/bold]")
+    console.print(f"admin key (/admin/v1): [bold]{escape(settings.admin_secret)}[/bold]")
     console.print(f"logs: {settings.home / 'logs'}\n")
     console.print("try:")
     console.print(

@@ -48,6 +48,7 @@ def env(home: Path, redis_server: EmbeddedRedis) -> Iterator[dict[str, str]]:
         "LLMFLEET_HOME_DIR": str(home),
         "REDIS_URL": redis_server.url,
         "LLMFLEET_KEY_PEPPER": "test-pepper",
+        "LLMFLEET_ADMIN_KEY": "test-admin-key-0123456789",
         "LLMFLEET_WORKER_IDLE_POLL_MS": "50",
     }
     saved = {k: os.environ.get(k) for k in [*values, "DATABASE_URL"]}

@@ -1,0 +1,171 @@
+"""The admin API under `/admin/v1`: tenants, their settings and their API keys.
+
+Every call needs `Authorization: Bearer <admin key>` (`Settings.admin_secret`), compared in
+constant time. The two credentials never overlap: tenant keys start with `lf-`, which an admin
+key may not, and the admin key is not in the key table, so it opens none of `/v1`.
+
+Changes take effect on every API replica at the tenant's next request, because
+authentication reads SQL on each request (`shared.tenants.authenticate`, no cache).
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import UTC, datetime
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from api.admin_schemas import TenantCreateBody, TenantUpdateBody
+from api.context import ApiContext
+from api.errors import APIError, bad_request, not_found, unauthorized
+from api.schemas import parse_body
+from shared import tenants
+from shared.tables import Tenant
+from shared.tenants import LIMIT_FIELDS, InvalidTenantField, IssuedKey, KeyInfo, TenantNameTaken
+
+
+def _admin_ctx(request: Request) -> ApiContext:
+    """The context, once the caller has shown the admin key; 401 otherwise."""
+    ctx: ApiContext = request.state.ctx
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    presented = key.strip().encode() if scheme.lower() == "bearer" else b""
+    if not hmac.compare_digest(presented, ctx.settings.admin_secret.encode()):
+        raise unauthorized("Invalid or missing admin key.")
+    return ctx
+
+
+async def create_tenant(request: Request) -> Response:
+    ctx = _admin_ctx(request)
+    body = parse_body(TenantCreateBody, await request.body())
+    tenant, issued = await run_in_threadpool(_create_tenant, ctx, body)
+    api_key = _issued_key_json(issued) if issued is not None else None
+    return JSONResponse({**_tenant_json(tenant), "api_key": api_key}, status_code=201)
+
+
+def _create_tenant(ctx: ApiContext, body: TenantCreateBody) -> tuple[Tenant, IssuedKey | None]:
+    try:
+        tenant = tenants.create_tenant(
+            ctx.engine, body.name, tier=body.tier, weight=body.weight, limits=body.limits()
+        )
+    except TenantNameTaken:
+        raise APIError(
+            409, f"A tenant named `{body.name}` already exists.", param="name", code="tenant_exists"
+        ) from None
+    if not body.create_key:
+        return tenant, None
+    return tenant, tenants.issue_key(ctx.engine, tenant.id, ctx.settings.pepper)
+
+
+async def list_tenants(request: Request) -> Response:
+    ctx = _admin_ctx(request)
+    rows = await run_in_threadpool(tenants.list_tenants, ctx.engine)
+    return JSONResponse({"object": "list", "data": [_tenant_json(t) for t in rows]})
+
+
+async def get_tenant(request: Request) -> Response:
+    ctx = _admin_ctx(request)
+    tenant = await _tenant_or_404(ctx, request.path_params["name"])
+    return JSONResponse(_tenant_json(tenant))
+
+
+async def update_tenant(request: Request) -> Response:
+    ctx = _admin_ctx(request)
+    changes = parse_body(TenantUpdateBody, await request.body()).changes()
+    name = request.path_params["name"]
+    try:
+        tenant = await run_in_threadpool(tenants.update_tenant, ctx.engine, name, **changes)
+    except InvalidTenantField as exc:
+        raise bad_request(str(exc), param=exc.field, code="invalid_value") from None
+    if tenant is None:
+        raise _no_tenant(name)
+    return JSONResponse(_tenant_json(tenant))
+
+
+async def create_key(request: Request) -> Response:
+    ctx = _admin_ctx(request)
+    tenant = await _tenant_or_404(ctx, request.path_params["name"])
+    issued = await run_in_threadpool(tenants.issue_key, ctx.engine, tenant.id, ctx.settings.pepper)
+    return JSONResponse(_issued_key_json(issued), status_code=201)
+
+
+async def list_keys(request: Request) -> Response:
+    ctx = _admin_ctx(request)
+    tenant = await _tenant_or_404(ctx, request.path_params["name"])
+    rows = await run_in_threadpool(tenants.list_keys, ctx.engine, tenant.id)
+    return JSONResponse({"object": "list", "data": [_key_json(k) for k in rows]})
+
+
+async def revoke_key(request: Request) -> Response:
+    ctx = _admin_ctx(request)
+    key_id = request.path_params["key_id"]
+    info = await run_in_threadpool(tenants.revoke_key, ctx.engine, key_id)
+    if info is None:
+        raise not_found(f"No API key with id {key_id}.")
+    return JSONResponse(_key_json(info))
+
+
+async def _tenant_or_404(ctx: ApiContext, name: str) -> Tenant:
+    tenant = await run_in_threadpool(tenants.get_tenant_by_name, ctx.engine, name)
+    if tenant is None:
+        raise _no_tenant(name)
+    return tenant
+
+
+def _no_tenant(name: str) -> APIError:
+    return APIError(404, f"No tenant named `{name}`.", code="tenant_not_found")
+
+
+def _tenant_json(tenant: Tenant) -> dict:
+    return {
+        "object": "tenant",
+        "id": tenant.id,
+        "name": tenant.name,
+        "tier": tenant.tier,
+        "weight": tenant.weight,
+        **{field: getattr(tenant, field) for field in LIMIT_FIELDS},
+        "is_disabled": tenant.is_disabled,
+        "created_at": _unix_s(tenant.created_at),
+        "updated_at": _unix_s(tenant.updated_at),
+    }
+
+
+def _key_json(info: KeyInfo) -> dict:
+    """Never the key nor its hash: those exist only in `_issued_key_json`, once."""
+    return {
+        "object": "api_key",
+        "id": info.id,
+        "tenant_id": info.tenant_id,
+        "prefix": info.prefix,
+        "created_at": _unix_s(info.created_at),
+        "revoked_at": _unix_s(info.revoked_at) if info.revoked_at is not None else None,
+    }
+
+
+def _issued_key_json(issued: IssuedKey) -> dict:
+    return {**_key_json(issued.info), "key": issued.key}
+
+
+def _unix_s(moment: datetime) -> int:
+    # SQLite gives back naive datetimes; every one stored here is UTC (`tables.utcnow`).
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp())
+
+
+routes = [
+    Mount(
+        "/admin/v1",
+        routes=[
+            Route("/tenants", create_tenant, methods=["POST"]),
+            Route("/tenants", list_tenants, methods=["GET"]),
+            Route("/tenants/{name}", get_tenant, methods=["GET"]),
+            Route("/tenants/{name}", update_tenant, methods=["PATCH"]),
+            Route("/tenants/{name}/keys", create_key, methods=["POST"]),
+            Route("/tenants/{name}/keys", list_keys, methods=["GET"]),
+            Route("/keys/{key_id:int}", revoke_key, methods=["DELETE"]),
+        ],
+    )
+]
