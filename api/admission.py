@@ -1,7 +1,13 @@
 """Admission: turn a validated body into a `QueuedRequest`, or refuse it before anything is enqueued.
 
-Checks, in order: the model exists; the prompt tokenizes within the vocabulary; stop
-strings are within bounds; prompt plus `max_tokens` fits the model's context.
+Checks, in order (`_admit`): the model exists; the prompt tokenizes within the vocabulary;
+`max_tokens` is within the tenant's per-request limit; prompt plus `max_tokens` fits the
+model's context, then what the workers' KV cache holds for one sequence, then the tenant's
+tokens per minute; stop strings are within bounds. Each of these is a 400: retrying cannot
+help. Last, the tenant's admission limits (`shared/quota.py`; over one, a 429 with
+`Retry-After`): the only check that takes something, so nothing after it can refuse the
+request and leave its reservation behind (the route releases it if the enqueue fails).
+A default `max_tokens` (the request named none) is capped by the tenant's limits instead.
 """
 
 from __future__ import annotations
@@ -13,14 +19,16 @@ from typing import Literal
 from starlette.concurrency import run_in_threadpool
 
 from api.context import ApiContext
-from api.errors import bad_request, model_not_found
+from api.errors import bad_request, model_not_found, rate_limited
 from api.schemas import ChatBody, CompletionBody, GenerationBody
-from shared import deployments
+from shared import deployments, quota
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.tables import ModelDeployment
-from shared.tenants import Principal
+from shared.tenants import Principal, TenantLimits
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+Kind = Literal["completion", "chat"]
 
 
 async def admit_completion(
@@ -32,23 +40,106 @@ async def admit_completion(
         prompt_ids = tokenizer.encode(body.prompt, add_special_tokens=False)
     else:
         prompt_ids = _checked_token_ids(body.prompt, len(tokenizer))
-    max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-    await _check_kv_capacity(ctx, deployment, len(prompt_ids), max_tokens)
-    return _queued(ctx, principal, deployment, body, "completion", prompt_ids, max_tokens)
+    max_tokens = body.max_tokens or _capped(
+        DEFAULT_COMPLETION_MAX_TOKENS, principal.limits, len(prompt_ids)
+    )
+    return await _admit(ctx, principal, deployment, body, "completion", prompt_ids, max_tokens)
 
 
 async def admit_chat(ctx: ApiContext, principal: Principal, body: ChatBody) -> QueuedRequest:
     deployment = await _deployment(ctx, body.model)
     tokenizer = await ctx.tokenizers.get(deployment)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt_ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    prompt_ids = list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     )
-    max_tokens = body.requested_max_tokens or await _default_chat_max_tokens(
-        ctx, deployment, len(prompt_ids)
+    max_tokens = body.requested_max_tokens or _capped(
+        await _default_chat_max_tokens(ctx, deployment, len(prompt_ids)),
+        principal.limits,
+        len(prompt_ids),
     )
+    return await _admit(ctx, principal, deployment, body, "chat", prompt_ids, max_tokens)
+
+
+async def _admit(
+    ctx: ApiContext,
+    principal: Principal,
+    deployment: ModelDeployment,
+    body: GenerationBody,
+    kind: Kind,
+    prompt_ids: list[int],
+    max_tokens: int,
+) -> QueuedRequest:
+    """The checks every kind of request shares, then the reservation against its limits."""
+    num_tokens = len(prompt_ids) + max_tokens
+    _check_max_tokens(principal.limits, max_tokens)
+    _check_context(deployment, body, len(prompt_ids), max_tokens)
     await _check_kv_capacity(ctx, deployment, len(prompt_ids), max_tokens)
-    return _queued(ctx, principal, deployment, body, "chat", list(prompt_ids), max_tokens)
+    _check_tokens_per_minute(principal.limits, num_tokens)
+    _check_stop(ctx, body.stop_strings)
+    queued = _queued(principal, deployment, body, kind, prompt_ids, max_tokens)
+    await _reserve(ctx, principal.limits, queued)
+    return queued
+
+
+def _capped(default_max_tokens: int, limits: TenantLimits, num_prompt_tokens: int) -> int:
+    """A default `max_tokens` within the tenant's limits, so that leaving it out never fails."""
+    caps = [default_max_tokens, limits.max_tokens_per_request]
+    if limits.tokens_per_minute is not None:
+        caps.append(limits.tokens_per_minute - num_prompt_tokens)
+    return max(min(c for c in caps if c is not None), 1)
+
+
+def _check_max_tokens(limits: TenantLimits, max_tokens: int) -> None:
+    limit = limits.max_tokens_per_request
+    if limit is not None and max_tokens > limit:
+        raise bad_request(
+            f"max_tokens is {max_tokens}; this API key allows at most {limit} per request.",
+            param="max_tokens",
+            code="max_tokens_exceeds_limit",
+        )
+
+
+def _check_context(
+    deployment: ModelDeployment, body: GenerationBody, num_prompt_tokens: int, max_tokens: int
+) -> None:
+    num_context_tokens = num_prompt_tokens + max_tokens
+    if num_context_tokens > deployment.max_context_tokens:
+        raise bad_request(
+            f"This model's maximum context length is {deployment.max_context_tokens} tokens; "
+            f"the request needs {num_context_tokens} ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for max_tokens).",
+            param="max_tokens" if body.max_tokens else "messages",
+            code="context_length_exceeded",
+        )
+
+
+def _check_tokens_per_minute(limits: TenantLimits, num_tokens: int) -> None:
+    # Even a full bucket could never hold such a request: a 429 would have it retry forever.
+    limit = limits.tokens_per_minute
+    if limit is not None and num_tokens > limit:
+        raise bad_request(
+            f"The request needs up to {num_tokens} tokens (prompt plus max_tokens); this API "
+            f"key allows at most {limit} tokens per minute.",
+            param="max_tokens",
+            code="request_exceeds_tokens_per_minute",
+        )
+
+
+async def _reserve(ctx: ApiContext, limits: TenantLimits, queued: QueuedRequest) -> None:
+    """Take the request's slots and tokens from its tenant's limits, or refuse it (429)."""
+    refusal = await quota.admit(ctx.redis, limits, queued, ctx.settings.request_max_lifetime_s)
+    if refusal is not None:
+        raise rate_limited(refusal.code, _refusal_message(refusal), refusal.retry_after_s)
+
+
+def _refusal_message(refusal: quota.Refusal) -> str:
+    return (
+        f"Rate limit reached for {refusal.limit.replace('_', ' ')}: limit {refusal.allowed}. "
+        f"Please retry after {refusal.retry_after_s} s."
+    )
 
 
 async def _default_chat_max_tokens(
@@ -96,24 +187,13 @@ def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
 
 
 def _queued(
-    ctx: ApiContext,
     principal: Principal,
     deployment: ModelDeployment,
     body: GenerationBody,
-    kind: Literal["completion", "chat"],
+    kind: Kind,
     prompt_ids: list[int],
     max_tokens: int,
 ) -> QueuedRequest:
-    _check_stop(ctx, body.stop_strings)
-    num_context_tokens = len(prompt_ids) + max_tokens
-    if num_context_tokens > deployment.max_context_tokens:
-        raise bad_request(
-            f"This model's maximum context length is {deployment.max_context_tokens} tokens; "
-            f"the request needs {num_context_tokens} ({len(prompt_ids)} in the prompt, "
-            f"{max_tokens} for max_tokens).",
-            param="max_tokens" if body.max_tokens else "messages",
-            code="context_length_exceeded",
-        )
     assert deployment.id is not None
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     return QueuedRequest(

@@ -42,6 +42,17 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
+def rate_limited(code: str, message: str, retry_after_s: int) -> APIError:
+    """429: over one of the tenant's admission limits; `Retry-After` says when to try again."""
+    return APIError(
+        429,
+        message,
+        type="rate_limit_error",
+        code=code,
+        headers={"Retry-After": str(max(retry_after_s, 1))},
+    )
+
+
 def unauthorized(message: str = "Invalid or missing API key.") -> APIError:
     return APIError(
         401,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import anyio
 from sqlmodel import select
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -15,10 +18,12 @@ from api.context import ApiContext
 from api.errors import APIError, not_found
 from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
 from api.streaming import chunk_format, collect, sse_events
-from shared import deployments
+from shared import deployments, quota
 from shared.db import session_scope
 from shared.protocol import QueuedRequest
 from shared.tables import UsageRecord
+
+log = logging.getLogger("llmfleet.api")
 
 
 def _ctx(request: Request) -> ApiContext:
@@ -42,7 +47,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _respond(ctx: ApiContext, queued: QueuedRequest, body: GenerationBody) -> Response:
-    subscription = await broker.submit(ctx.redis, queued)
+    subscription = await _submit(ctx, queued)
     fmt = chunk_format(subscription, body.model, body.include_usage)
     headers = {"X-Request-Id": queued.request_id}
     if body.stream:
@@ -50,6 +55,21 @@ async def _respond(ctx: ApiContext, queued: QueuedRequest, body: GenerationBody)
             sse_events(subscription, fmt), headers=headers, ping=ctx.settings.stream_keepalive_s
         )
     return JSONResponse(await collect(subscription, fmt), headers=headers)
+
+
+async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription:
+    """Enqueue an admitted request; if that fails, give back the slots and tokens it took."""
+    try:
+        return await broker.submit(ctx.redis, queued)
+    except BaseException:
+        # Shielded: a handler cancelled mid-enqueue must still release its admission.
+        with anyio.CancelScope(shield=True):
+            try:
+                await quota.release(ctx.redis, queued)
+            except Exception:
+                # Redis is likely down too; the slots expire after `request_max_lifetime_s`.
+                log.exception("could not release the admission of %s", queued.request_id)
+        raise
 
 
 async def _read_body(request: Request, ctx: ApiContext) -> bytes:

@@ -10,6 +10,10 @@ Layout (all under the `llmfleet:` prefix):
 - `llmfleet:worker:{worker_id}`   hash with a TTL: a worker's heartbeat, load state, engine stats.
 - `llmfleet:capacity:{model}`     sorted set: worker id -> most tokens (prompt + max_tokens) one
                                   sequence can hold in that worker's KV cache.
+- `llmfleet:inflight:{tenant}`    sorted set: request id -> expiry (unix s); admitted, not finished.
+- `llmfleet:queued:{tenant}`      sorted set: request id -> expiry (unix s); admitted, not pulled.
+- `llmfleet:buckets:{tenant}`     hash with a TTL: the tenant's requests- and tokens-per-minute
+                                  token buckets (`shared/quota.py`).
 """
 
 from __future__ import annotations
@@ -44,3 +48,15 @@ def worker_heartbeat_pattern() -> str:
 
 def model_capacity(model: str) -> str:
     return f"{PREFIX}:capacity:{model}"
+
+
+def tenant_inflight(tenant: str) -> str:
+    return f"{PREFIX}:inflight:{tenant}"
+
+
+def tenant_queued(tenant: str) -> str:
+    return f"{PREFIX}:queued:{tenant}"
+
+
+def tenant_buckets(tenant: str) -> str:
+    return f"{PREFIX}:buckets:{tenant}"

@@ -13,8 +13,10 @@ import secrets
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ADMIN_KEY_PREFIX = "lfadmin-"
 
 
 class Settings(BaseSettings):
@@ -28,6 +30,9 @@ class Settings(BaseSettings):
     # Server-side secret mixed into API-key hashes. Without one, a random pepper is
     # generated once and kept in the home directory (development only).
     key_pepper: str | None = None
+    # Bearer credential of the `/admin/v1` API. Without one, a random key is generated once
+    # and kept in the home directory (development only); `llmfleet admin-key` prints it.
+    admin_key: str | None = Field(default=None, min_length=16)
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
@@ -35,6 +40,9 @@ class Settings(BaseSettings):
     max_stop_strings: int = 4
     max_stop_string_chars: int = 64
     stream_keepalive_s: float = 15.0
+    # How long an admitted request may hold its tenant's in-flight and queued slots before
+    # admission drops it as leaked (an API or worker that crashed never released it).
+    request_max_lifetime_s: float = 3600.0
 
     worker_idle_poll_ms: int = 100
     worker_heartbeat_s: float = 2.0
@@ -71,6 +79,25 @@ class Settings(BaseSettings):
         if not path.exists():
             _create_once(path, secrets.token_hex(32))
         return path.read_text().strip().encode()
+
+    @cached_property
+    def admin_secret(self) -> str:
+        """The admin key in effect: `LLMFLEET_ADMIN_KEY`, else the generated local one."""
+        if self.admin_key:
+            return self.admin_key
+        path = self.home / "secrets" / "admin_key"
+        if not path.exists():
+            _create_once(path, ADMIN_KEY_PREFIX + secrets.token_urlsafe(32))
+        return path.read_text().strip()
+
+    @field_validator("admin_key")
+    @classmethod
+    def _not_a_tenant_key(cls, value: str | None) -> str | None:
+        # Tenant keys all start with `lf-` (shared.tenants.KEY_PREFIX); an admin key that did
+        # too could be mistaken for one, so the two credentials never share a shape.
+        if value is not None and value.startswith("lf-"):
+            raise ValueError("must not start with `lf-`, the prefix of tenant keys")
+        return value
 
 
 def _with_psycopg_driver(url: str) -> str:
