@@ -15,7 +15,9 @@ from shared.settings import get_settings
 app = typer.Typer(help="llmfleet: multi-tenant LLM serving.", no_args_is_help=True)
 tenant_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
 model_app = typer.Typer(help="Model deployments.", no_args_is_help=True)
+key_app = typer.Typer(help="API keys of tenants.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
 app.add_typer(model_app, name="model")
 app.command("bench")(bench_command)
 
@@ -80,6 +82,12 @@ def worker(
         float | None,
         typer.Option(help="continuous: KV pool size (default 2 on CPU, 85% of free GPU memory)."),
     ] = None,
+    queueing: Annotated[
+        str, typer.Option(help="continuous: fair (tenants, tiers, weights) | fifo (baseline).")
+    ] = "fair",
+    quantum_tokens: Annotated[
+        int, typer.Option(help="fair queuing: tokens a tenant may start per round per weight.")
+    ] = 256,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[
         str, typer.Option(help="auto (bf16 on GPUs and AMX CPUs, else fp32) | float32 | bfloat16")
@@ -107,6 +115,8 @@ def worker(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         kv_cache_gb=kv_cache_gb,
+        queueing=queueing,
+        quantum_tokens=quantum_tokens,
     )
     service = Worker(get_settings(), engine, deployment, WorkerConfig(engine_config, device, dtype))
 
@@ -151,22 +161,199 @@ def init() -> None:
     typer.echo(f"database ready; default deployment {deployment.model_id} v{deployment.version}")
 
 
+# Limit options, shared by `tenant create` and `tenant update`. 0 means unlimited.
+MaxInFlight = Annotated[
+    int | None,
+    typer.Option("--max-in-flight", min=0, help="Requests admitted, not finished; 0 = unlimited."),
+]
+MaxQueued = Annotated[
+    int | None,
+    typer.Option("--max-queued", min=0, help="Requests waiting for a worker; 0 = unlimited."),
+]
+TokensPerMinute = Annotated[
+    int | None,
+    typer.Option("--tpm", min=0, help="Tokens per minute (prompt + max_tokens); 0 = unlimited."),
+]
+RequestsPerMinute = Annotated[
+    int | None, typer.Option("--rpm", min=0, help="Requests per minute; 0 = unlimited.")
+]
+MaxTokensPerRequest = Annotated[
+    int | None,
+    typer.Option("--max-tokens-per-request", min=0, help="Cap on max_tokens; 0 = unlimited."),
+]
+
+
+def _limit_changes(
+    max_in_flight: int | None,
+    max_queued: int | None,
+    tpm: int | None,
+    rpm: int | None,
+    max_tokens_per_request: int | None,
+) -> dict[str, int | None]:
+    """The limits given on the command line, by field; 0 becomes None (unlimited)."""
+    given = {
+        "max_requests_in_flight": max_in_flight,
+        "max_requests_queued": max_queued,
+        "tokens_per_minute": tpm,
+        "requests_per_minute": rpm,
+        "max_tokens_per_request": max_tokens_per_request,
+    }
+    return {field: value or None for field, value in given.items() if value is not None}
+
+
 @tenant_app.command("create")
 def tenant_create(
     name: str,
-    tier: Annotated[int, typer.Option(help="Priority tier (higher wins).")] = 1,
-    weight: Annotated[int, typer.Option(help="Fair-share weight.")] = 1,
+    tier: Annotated[int, typer.Option(min=0, help="Priority tier (higher wins).")] = 1,
+    weight: Annotated[int, typer.Option(min=1, help="Fair-share weight.")] = 1,
+    max_in_flight: MaxInFlight = None,
+    max_queued: MaxQueued = None,
+    tpm: TokensPerMinute = None,
+    rpm: RequestsPerMinute = None,
+    max_tokens_per_request: MaxTokensPerRequest = None,
 ) -> None:
-    """Create a tenant and print its API key (shown this once)."""
+    """Create a tenant and print its API key (shown this once). Limits default to unlimited."""
     from shared import tenants
 
+    limits = _limit_changes(max_in_flight, max_queued, tpm, rpm, max_tokens_per_request)
     engine = _db()
-    if tenants.get_tenant_by_name(engine, name) is not None:
-        raise typer.BadParameter(f"tenant {name!r} already exists")
-    tenant = tenants.create_tenant(engine, name, tier=tier, weight=weight)
+    try:
+        tenant = tenants.create_tenant(
+            engine, name, tier=tier, weight=weight, limits=tenants.TenantLimits(**limits)
+        )
+    except tenants.TenantNameTaken:
+        raise typer.BadParameter(f"tenant {name!r} already exists") from None
+    except tenants.InvalidTenantField as exc:
+        raise typer.BadParameter(str(exc)) from None
     key = tenants.create_key(engine, tenant.id, get_settings().pepper)
     typer.echo(f"tenant {tenant.name} ({tenant.id}) created")
     typer.echo(f"api key (shown once): {key}")
+
+
+@tenant_app.command("update")
+def tenant_update(
+    name: str,
+    tier: Annotated[int | None, typer.Option(min=0, help="Priority tier (higher wins).")] = None,
+    weight: Annotated[int | None, typer.Option(min=1, help="Fair-share weight.")] = None,
+    max_in_flight: MaxInFlight = None,
+    max_queued: MaxQueued = None,
+    tpm: TokensPerMinute = None,
+    rpm: RequestsPerMinute = None,
+    max_tokens_per_request: MaxTokensPerRequest = None,
+) -> None:
+    """Change the given settings of a tenant; the others stay. A limit of 0 makes it unlimited."""
+    changes = _limit_changes(max_in_flight, max_queued, tpm, rpm, max_tokens_per_request)
+    if tier is not None:
+        changes["tier"] = tier
+    if weight is not None:
+        changes["weight"] = weight
+    _change_tenant(name, **changes)
+
+
+@tenant_app.command("disable")
+def tenant_disable(name: str) -> None:
+    """Refuse all of the tenant's keys, on every API replica, from its next request on."""
+    _change_tenant(name, is_disabled=True)
+
+
+@tenant_app.command("enable")
+def tenant_enable(name: str) -> None:
+    """Accept the tenant's (unrevoked) keys again."""
+    _change_tenant(name, is_disabled=False)
+
+
+def _change_tenant(name: str, **changes: object) -> None:
+    from shared import tenants
+
+    try:
+        tenant = tenants.update_tenant(_db(), name, **changes)
+    except tenants.InvalidTenantField as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if tenant is None:
+        raise typer.BadParameter(f"no tenant {name!r}")
+    _print_tenants([tenant])
+
+
+@tenant_app.command("list")
+def tenant_list() -> None:
+    """List the tenants with their settings ("-" is unlimited)."""
+    from shared import tenants
+
+    _print_tenants(tenants.list_tenants(_db()))
+
+
+def _print_tenants(rows) -> None:
+    header = ["NAME", "ID", "TIER", "WEIGHT", "IN_FLIGHT", "QUEUED", "TPM", "RPM", "MAX_TOKENS"]
+    _print_table([*header, "STATUS"], [_tenant_row(t) for t in rows])
+
+
+def _tenant_row(tenant) -> list:
+    from shared.tenants import LIMIT_FIELDS
+
+    limits = [getattr(tenant, field) for field in LIMIT_FIELDS]
+    status = "disabled" if tenant.is_disabled else "enabled"
+    return [tenant.name, tenant.id, tenant.tier, tenant.weight, *limits, status]
+
+
+def _print_table(header: list[str], rows: list[list]) -> None:
+    cells = [header, *[["-" if v is None else str(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        typer.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+@key_app.command("create")
+def key_create(tenant: str) -> None:
+    """Create another API key for a tenant and print it (shown this once)."""
+    from shared import tenants
+
+    engine = _db()
+    issued = tenants.issue_key(engine, _tenant_id(engine, tenant), get_settings().pepper)
+    typer.echo(f"key {issued.info.id} created for tenant {tenant}")
+    typer.echo(f"api key (shown once): {issued.key}")
+
+
+@key_app.command("list")
+def key_list(tenant: str) -> None:
+    """List a tenant's keys: id, prefix, when created and revoked (never the key itself)."""
+    from shared import tenants
+
+    engine = _db()
+    rows = [
+        [k.id, k.prefix, _when(k.created_at), _when(k.revoked_at)]
+        for k in tenants.list_keys(engine, _tenant_id(engine, tenant))
+    ]
+    _print_table(["ID", "PREFIX", "CREATED", "REVOKED"], rows)
+
+
+@key_app.command("revoke")
+def key_revoke(key_id: int) -> None:
+    """Revoke a key by its id (see `key list`); every API replica refuses it from now on."""
+    from shared import tenants
+
+    info = tenants.revoke_key(_db(), key_id)
+    if info is None:
+        raise typer.BadParameter(f"no key with id {key_id}")
+    typer.echo(f"key {info.id} ({info.prefix}...) revoked at {_when(info.revoked_at)}")
+
+
+def _tenant_id(engine, name: str) -> str:
+    from shared import tenants
+
+    tenant = tenants.get_tenant_by_name(engine, name)
+    if tenant is None:
+        raise typer.BadParameter(f"no tenant {name!r}")
+    return tenant.id
+
+
+def _when(moment) -> str | None:
+    return None if moment is None else moment.strftime("%Y-%m-%dT%H:%M:%SZ")  # stored in UTC
+
+
+@app.command("admin-key")
+def admin_key() -> None:
+    """Print the admin key of the `/admin/v1` API (LLMFLEET_ADMIN_KEY, or the generated one)."""
+    typer.echo(get_settings().admin_secret)
 
 
 @model_app.command("add")

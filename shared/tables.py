@@ -78,6 +78,7 @@ class UsageRecord(SQLModel, table=True):
     tenant_id: str = Field(foreign_key="tenant.id", index=True)
     deployment_id: int = Field(foreign_key="modeldeployment.id")
     input_tokens: int
-    output_tokens: int
+    output_tokens: int  # delivered: what is billed
+    computed_tokens: int = 0  # prompt, decodes and recompute after preemptions: the cost
     finish_reason: str
     created_at: datetime = Field(default_factory=utcnow)

@@ -1,6 +1,8 @@
 """Continuous batching is exact: with greedy decoding every request gets the tokens
-`model.generate` gives it alone, whatever the batch composition, arrival order, prefill
-chunking and preemptions (property-based on the tiny model, a spot check on the real one)."""
+`model.generate` gives it alone, whatever the batch composition, arrival order, tenants,
+tiers and weights, prefill chunking and preemptions (property-based on the tiny model, a
+spot check on the real one). The engine runs the default policies: weighted fair queuing
+and tenant-aware preemption."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from shared import model_source
 from tests.factories import CharDecoder, make_request, make_sequence_for
 from tests.reference import greedy_alone
 from worker.engine import ContinuousBatchingEngine
+from worker.fair_queue import FairQueue
 from worker.kv_cache import KVCacheManager
-from worker.preemption import LatestArrivalFirst
+from worker.preemption import TenantAwarePreemption
 from worker.runner import loader
 from worker.runner.model_runner import ModelRunner
 from worker.scheduler import Scheduler, SchedulerConfig
@@ -25,19 +28,33 @@ MAX_NEW_TOKENS = 12
 
 def _engine(loaded, num_blocks: int, block_size: int, max_num_seqs: int, budget: int):
     kv = KVCacheManager(num_blocks, block_size)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, budget), kv, LatestArrivalFirst())
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs, budget),
+        kv,
+        FairQueue(quantum_tokens=8),
+        TenantAwarePreemption(),
+    )
     return ContinuousBatchingEngine(scheduler, ModelRunner(loaded, num_blocks, block_size))
 
 
+# Three tenants: (tenant id, tier, weight).
+TENANTS = [("a", 1, 1), ("b", 1, 3), ("c", 2, 1)]
+
+
 def _run(engine, arrivals: list[tuple[int, list[int], int]]) -> dict[str, list[int]]:
-    """arrivals: (step at which it arrives, prompt ids, max_tokens). Returns outputs by id."""
+    """arrivals: (step at which it arrives, prompt ids, max_tokens); request i belongs to
+    tenant i mod 3. Returns outputs by id."""
     seqs = {}
     pending = sorted(enumerate(arrivals), key=lambda item: item[1][0])
     step = 0
     while pending or engine.has_work():
         while pending and pending[0][1][0] <= step:
             i, (_, prompt, max_tokens) = pending.pop(0)
-            seq = make_sequence_for(make_request(i, prompt, max_tokens), CharDecoder())
+            tenant_id, tier, weight = TENANTS[i % len(TENANTS)]
+            request = make_request(
+                i, prompt, max_tokens, tenant_id=tenant_id, tier=tier, weight=weight
+            )
+            seq = make_sequence_for(request, CharDecoder())
             assert engine.add(seq) is None
             seqs[seq.request_id] = seq
         engine.step()

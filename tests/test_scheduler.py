@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tests.factories import make_sequence
+from worker.fair_queue import FifoQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst
 from worker.scheduler import Scheduler, SchedulerConfig
@@ -13,6 +14,7 @@ def _scheduler(num_blocks=100, block_size=4, max_num_seqs=8, budget=32) -> Sched
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         KVCacheManager(num_blocks, block_size),
+        FifoQueue(),
         LatestArrivalFirst(),
     )
 

@@ -10,12 +10,13 @@ engine.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from worker.fair_queue import DEFAULT_QUANTUM_TOKENS, FairQueue, FifoQueue
 from worker.kv_cache import KVCacheManager
-from worker.preemption import LatestArrivalFirst
+from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.runner import model_runner
 from worker.runner.loader import LoadedModel
 from worker.runner.model_runner import ModelRunner
@@ -35,6 +36,8 @@ class EngineConfig:
         None  # KV pool size; None: 2 GB on CPU, a fraction of free GPU memory
     )
     gpu_memory_fraction: float = 0.85
+    queueing: str = "fair"  # continuous batching: "fair" (tenants, tiers) | "fifo" (baseline)
+    quantum_tokens: int = DEFAULT_QUANTUM_TOKENS  # fair queuing: tokens per round per weight
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
@@ -49,11 +52,15 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     )
     num_blocks = model_runner.num_blocks_for_budget(loaded, kv_bytes, config.block_size)
     kv_cache = KVCacheManager(num_blocks, config.block_size)
-    scheduler = Scheduler(
-        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-        kv_cache,
-        LatestArrivalFirst(),
-    )
+    scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+    if config.queueing == "fair":
+        scheduler = Scheduler(
+            scheduler_config, kv_cache, FairQueue(config.quantum_tokens), TenantAwarePreemption()
+        )
+    elif config.queueing == "fifo":
+        scheduler = Scheduler(scheduler_config, kv_cache, FifoQueue(), LatestArrivalFirst())
+    else:
+        raise ValueError(f"unknown queueing {config.queueing!r}")
     return ContinuousBatchingEngine(scheduler, ModelRunner(loaded, num_blocks, config.block_size))
 
 
@@ -64,9 +71,10 @@ class Engine(Protocol):
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]: ...
     def num_free_slots(self) -> int: ...
+    def num_waiting_by_tenant(self) -> Counter[str]: ...
     def has_work(self) -> bool: ...
     def step(self) -> list[SequenceOutput]: ...
-    def stats(self) -> dict[str, float]: ...
+    def stats(self) -> dict[str, float | dict[str, int]]: ...
 
 
 class StaticBatchEngine:
@@ -94,10 +102,13 @@ class StaticBatchEngine:
     def num_free_slots(self) -> int:
         return max(0, self.max_batch_size - len(self._waiting) - len(self._running))
 
+    def num_waiting_by_tenant(self) -> Counter[str]:
+        return Counter(seq.tenant_id for seq in self._waiting)
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | dict[str, int]]:
         return {"num_running": len(self._running), "num_waiting": len(self._waiting)}
 
     def step(self) -> list[SequenceOutput]:
@@ -155,6 +166,9 @@ class ContinuousBatchingEngine:
         scheduler = self.scheduler
         return max(0, scheduler.config.max_num_seqs - scheduler.num_running - scheduler.num_waiting)
 
+    def num_waiting_by_tenant(self) -> Counter[str]:
+        return Counter(seq.tenant_id for seq in self.scheduler.waiting)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -162,7 +176,7 @@ class ContinuousBatchingEngine:
     def max_num_tokens_per_sequence(self) -> int:
         return self.scheduler.kv_cache.max_num_tokens_per_sequence
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | dict[str, int]]:
         scheduler = self.scheduler
         return {
             "num_running": scheduler.num_running,
@@ -170,6 +184,7 @@ class ContinuousBatchingEngine:
             "kv_cache_usage": round(scheduler.kv_cache.usage, 4),
             "kv_cache_blocks": scheduler.kv_cache.num_blocks,
             "num_preemptions": scheduler.num_preemptions,
+            "num_preemptions_by_tenant": dict(scheduler.num_preemptions_by_tenant),
         }
 
     def step(self) -> list[SequenceOutput]:

@@ -1,5 +1,13 @@
 """Worker intake: read the model's tenant streams through the `workers` consumer group.
 
+A worker pulls only what it can start soon, so that it never hoards work another worker
+could serve, yet its fair queue sees every waiting tenant: when it has `n` free places it
+reads up to ceil(n / number of tenant streams) entries from each stream, skipping tenants
+that already have that many waiting in the worker. So it holds at most one entry per tenant
+beyond what it has room for, and the fair queue, not the stream order, decides who starts.
+A FIFO worker (the baseline) instead reads up to `n` entries from every stream and starts
+them in arrival order.
+
 An entry is acknowledged (and deleted: the stream is a queue, and it holds prompt tokens)
 only after the request's usage is committed to SQL; until then it stays in the group's
 pending list, where it can be reclaimed if this worker dies.
@@ -9,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -29,24 +39,36 @@ class StreamEntry:
 
 
 class Intake:
-    def __init__(self, redis: aioredis.Redis, model: str, consumer: str) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, model: str, consumer: str, *, is_fair: bool = True
+    ) -> None:
         self._redis = redis
         self._model = model
         self._consumer = consumer
+        self._is_fair = is_fair
         self._streams_with_group: set[str] = set()
 
-    async def pull(self, max_count: int, block_ms: int | None) -> list[StreamEntry]:
-        """Up to about `max_count` new entries; waits up to `block_ms` when there are none."""
+    async def pull(
+        self, max_count: int, block_ms: int | None, num_waiting: Mapping[str, int]
+    ) -> list[StreamEntry]:
+        """New entries for about `max_count` free places, spread over the tenants' streams
+        (`num_waiting`: entries each tenant already has waiting in this worker); waits up to
+        `block_ms` when there are none."""
         streams = await self._streams()
-        if not streams:
+        if self._is_fair:
+            count = math.ceil(max_count / max(1, len(streams)))
+            wanted = [s for tenant, s in streams.items() if num_waiting.get(tenant, 0) < count]
+        else:
+            count, wanted = max_count, list(streams.values())
+        if not wanted:
             if block_ms:
                 await asyncio.sleep(block_ms / 1000)
             return []
         reply = await self._redis.xreadgroup(
             keys.WORKER_GROUP,
             self._consumer,
-            {stream: ">" for stream in streams},
-            count=max_count,
+            {stream: ">" for stream in wanted},
+            count=count,
             block=block_ms,
         )
         entries = []
@@ -63,10 +85,13 @@ class Intake:
             pipe.xdel(entry.stream, entry.entry_id)
             await pipe.execute()
 
-    async def _streams(self) -> list[str]:
-        tenants = await self._redis.smembers(keys.model_tenants(self._model))
-        streams = sorted(keys.tenant_stream(self._model, _text(t)) for t in tenants)
-        for stream in streams:
+    async def _streams(self) -> dict[str, str]:
+        """Tenant id -> that tenant's stream for this model."""
+        tenants = sorted(
+            _text(t) for t in await self._redis.smembers(keys.model_tenants(self._model))
+        )
+        streams = {tenant: keys.tenant_stream(self._model, tenant) for tenant in tenants}
+        for stream in streams.values():
             if stream not in self._streams_with_group:
                 await self._ensure_group(stream)
         return streams

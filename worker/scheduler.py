@@ -6,9 +6,10 @@ computes it in one forward pass and returns one sampled token per sampling chunk
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
+from worker.fair_queue import WaitingQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import PreemptionPolicy
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
@@ -63,14 +64,18 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, policy: PreemptionPolicy
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        waiting: WaitingQueue,
+        policy: PreemptionPolicy,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.waiting = waiting
         self.policy = policy
-        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.num_preemptions_by_tenant: Counter[str] = Counter()
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
         """Queue a sequence; refuse it at once (an error output) if it could never fit."""
@@ -80,7 +85,7 @@ class Scheduler:
                 f"the request needs up to {seq.num_max_tokens} tokens of KV cache; this worker "
                 f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence",
             )
-        self.waiting.append(seq)
+        self.waiting.push(seq)
         return None
 
     def has_work(self) -> bool:
@@ -94,16 +99,23 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.num_preemptions_by_tenant.values())
+
     def schedule(self) -> SchedulerOutput:
         """Running sequences first, oldest first: each gets the tokens it still needs (1 for a
         decode, the next chunk of its prompt otherwise) while the step's token budget lasts.
         When one needs a KV block and none is free, the policy picks a victim among the
         running sequences not yet scheduled this step (possibly the sequence itself); the
         victim's blocks are freed and it waits, ahead of new work, to be recomputed. Then,
-        if nothing was preempted, waiting sequences are admitted in order while the budget,
-        `max_num_seqs` and the free blocks allow: a sequence is admitted only when all its
-        tokens so far fit in the free blocks, and the first that does not fit stops admission
-        (no overtaking, so a long prompt cannot starve).
+        if nothing was preempted, waiting sequences are admitted in the waiting queue's order
+        (weighted fair queuing between tenants, or FIFO) while the budget, `max_num_seqs` and
+        the free blocks allow: a sequence is admitted only when all its tokens so far fit in
+        the free blocks, and the first that does not fit stops admission (no overtaking, so a
+        long prompt cannot starve). Every token computed is charged to the sequence's tenant
+        in the waiting queue: all of a sequence's tokens when it is admitted (its prompt, or
+        everything again after a preemption), then each decode.
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -130,19 +142,22 @@ class Scheduler:
         """Preempt until `seq` can take its blocks; False if `seq` itself was the victim."""
         while not self.kv_cache.can_allocate(seq, num_new):
             candidates = [s for s in self.running if id(s) not in scheduled]
-            victim = self.policy.pick_victim(candidates)
+            victim = self.policy.pick_victim(candidates, self.running)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
 
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
             if self.kv_cache.num_blocks_for(seq.num_tokens) > self.kv_cache.num_free_blocks:
                 break
             num_new = min(seq.num_tokens, budget)
-            self.waiting.popleft()
+            self.waiting.pop()
+            self._charge(seq, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule_chunk(seq, num_new, out)
@@ -158,9 +173,10 @@ class Scheduler:
         self.kv_cache.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.num_charged_tokens = 0  # recompute is charged again
         seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.num_preemptions_by_tenant[seq.tenant_id] += 1
+        self.waiting.push_front(seq)
         out.preempted.append(seq)
 
     def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[SequenceOutput]:
@@ -171,6 +187,8 @@ class Scheduler:
             raise RuntimeError(f"{len(sampled)} sampled tokens for {len(sampling)} sequences")
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens = chunk.end
+            chunk.seq.num_computed_total += chunk.num_new_tokens
+            self._charge(chunk.seq, chunk.end)  # decodes; prefill was charged at admission
         outputs = []
         for chunk, token_id in zip(sampling, sampled, strict=True):
             if chunk.seq.is_finished:
@@ -189,11 +207,17 @@ class Scheduler:
                 self._release(seq)
         return outputs
 
+    def _charge(self, seq: Sequence, num_tokens_until: int) -> None:
+        """Charge `seq`'s tenant for computing its tokens up to `num_tokens_until`, once."""
+        if num_tokens_until > seq.num_charged_tokens:
+            self.waiting.charge(seq, num_tokens_until - seq.num_charged_tokens)
+            seq.num_charged_tokens = num_tokens_until
+
     def _release(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif any(waiting is seq for waiting in self.waiting):
             self.waiting.remove(seq)
 
     def _check_invariants(self) -> None:

@@ -31,6 +31,7 @@ class SequenceOutput:
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" once finished
     num_prompt_tokens: int
     num_output_tokens: int
+    num_computed_tokens: int = 0  # all tokens computed, recompute after preemption included
     error: ErrorInfo | None = None
 
     @property
@@ -56,6 +57,10 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Fair queuing: tokens of this pass charged to the tenant, and all tokens ever computed
+    # (prompt, decodes and recompute after preemptions).
+    num_charged_tokens: int = 0
+    num_computed_total: int = 0
 
     @classmethod
     def from_request(
@@ -143,4 +148,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
+            num_computed_tokens=self.num_computed_total,
         )

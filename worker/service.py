@@ -7,6 +7,7 @@ I/O, cancellations and heartbeats go on in the event loop while the model comput
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -75,7 +76,9 @@ class Worker:
             self._state = "loading"
             engine, tokenizer, eos_token_ids = await self._on_engine_thread(self._load)
             self._engine = engine
-            intake = Intake(redis, self._deployment.model_id, self.worker_id)
+            engine_config = self._config.engine
+            is_fair = engine_config.batching == "continuous" and engine_config.queueing == "fair"
+            intake = Intake(redis, self._deployment.model_id, self.worker_id, is_fair=is_fair)
             publisher = Publisher(redis, self._db, intake)
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
             self._state = "ready"
@@ -105,7 +108,7 @@ class Worker:
             free = engine.num_free_slots()
             if free and not self._stopping.is_set():
                 block_ms = None if engine.has_work() else idle_ms
-                for entry in await intake.pull(free, block_ms):
+                for entry in await intake.pull(free, block_ms, engine.num_waiting_by_tenant()):
                     publisher.track(entry)
                     seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
                     if (refused := engine.add(seq)) is not None:
@@ -149,6 +152,7 @@ class Worker:
             "updated_at": time.time(),
             **(self._engine.stats() if self._engine is not None else {}),
         }
+        fields = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in fields.items()}
         async with redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, max(1, int(interval_s * 3)))

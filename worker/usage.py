@@ -44,6 +44,7 @@ def record(engine: Engine, request: QueuedRequest, final: SequenceOutput) -> Non
                 deployment_id=request.deployment_id,
                 input_tokens=final.num_prompt_tokens,
                 output_tokens=final.num_output_tokens,
+                computed_tokens=final.num_computed_tokens,
                 finish_reason=final.finish_reason,
             )
         )

@@ -1,0 +1,142 @@
+"""Weighted deficit round-robin over tenants, charged in tokens: pure and deterministic."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+
+from tests.factories import make_sequence
+from worker.fair_queue import FairQueue, FifoQueue
+
+_ids = itertools.count()
+
+
+def _seq(tenant: str, *, tier: int = 1, weight: int = 1, prompt: int = 4):
+    return make_sequence(next(_ids), prompt, 8, tenant_id=tenant, tier=tier, weight=weight)
+
+
+def _fill(queue: FairQueue, tenant: str, n: int, **kwargs) -> None:
+    for _ in range(n):
+        queue.push(_seq(tenant, **kwargs))
+
+
+def _serve(queue: FairQueue, num_pops: int, cost_of=lambda seq: 100) -> Counter[str]:
+    """Pop and charge each popped sequence its cost at once; tokens served per tenant."""
+    served: Counter[str] = Counter()
+    for _ in range(num_pops):
+        seq = queue.pop()
+        queue.charge(seq, cost_of(seq))
+        served[seq.tenant_id] += cost_of(seq)
+    return served
+
+
+def test_equal_tenants_alternate_request_by_request():
+    q = FairQueue(quantum_tokens=100)
+    _fill(q, "a", 5)
+    _fill(q, "b", 5)
+    order = []
+    for _ in range(6):
+        seq = q.pop()
+        q.charge(seq, 10)  # small charges: several picks per round, still interleaved
+        order.append(seq.tenant_id)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+
+
+@pytest.mark.parametrize("quantum", [16, 256, 1000])
+def test_backlogged_tenants_get_service_in_proportion_to_weight(quantum):
+    q = FairQueue(quantum_tokens=quantum)
+    for tenant, weight in (("a", 4), ("b", 2), ("c", 1)):
+        _fill(q, tenant, 2000, weight=weight)
+    served = _serve(q, 1400, cost_of=lambda seq: 50 + (seq.request_id.__hash__() % 150))
+    total = sum(served.values())
+    for tenant, weight in (("a", 4), ("b", 2), ("c", 1)):
+        assert served[tenant] / total == pytest.approx(weight / 7, rel=0.05)
+
+
+def test_charges_after_the_fact_count_running_work():
+    # Tenant a has long-running sequences charged every step; b's requests are short.
+    q = FairQueue(quantum_tokens=50)
+    _fill(q, "a", 50)
+    _fill(q, "b", 50)
+    first = q.pop()
+    assert first.tenant_id == "a"
+    q.charge(first, 1000)  # a's first request turns out long: 1000 tokens of decode
+    picks = [q.pop().tenant_id for _ in range(10)]
+    assert picks.count("b") == 10  # b catches up before a starts anything else
+
+
+def test_a_higher_tier_wins_contested_admission():
+    q = FairQueue(quantum_tokens=100)
+    _fill(q, "low", 3, tier=0, weight=8)
+    _fill(q, "high", 2, tier=2, weight=1)
+    q.charge(_seq("high", tier=2), 10_000)  # deep in debt, still first: tiers are strict
+    assert [q.pop().tenant_id for _ in range(5)] == ["high", "high", "low", "low", "low"]
+
+
+def test_work_conserving_whatever_the_debt():
+    q = FairQueue(quantum_tokens=1)
+    seq = _seq("a")
+    q.charge(seq, 10**9)
+    q.push(seq)
+    assert q.peek() is seq
+    assert q.pop() is seq
+    assert q.peek() is None and len(q) == 0
+
+
+def test_no_credit_accrues_while_idle():
+    q = FairQueue(quantum_tokens=100)
+    _fill(q, "a", 500)
+    _serve(q, 300)  # b is idle all this time
+    _fill(q, "b", 50)
+    picks = [seq.tenant_id for seq in (q.pop() for _ in range(10))]
+    assert 4 <= picks.count("b") <= 6  # b shares from now on; it does not get a long run
+
+
+def test_using_idle_capacity_is_not_punished():
+    q = FairQueue(quantum_tokens=100)
+    _fill(q, "a", 10)
+    _serve(q, 10)  # a alone: its queue empties
+    running = _seq("a")
+    q.charge(running, 50_000)  # a's running sequences use the idle machine heavily
+    _fill(q, "b", 20)  # b arrives first: it takes the level of a, the last to leave
+    _fill(q, "a", 20)
+    picks = [seq.tenant_id for seq in (q.pop() for _ in range(10))]
+    assert 4 <= picks.count("a") <= 6
+
+
+def test_a_preempted_sequence_goes_back_ahead_of_its_own_tenants_newer_work():
+    q = FairQueue()
+    older, newer = _seq("a"), _seq("a")
+    q.push(newer)
+    q.push_front(older)
+    assert [q.pop(), q.pop()] == [older, newer]
+
+
+def test_remove_a_waiting_sequence():
+    q = FairQueue()
+    a, b = _seq("a"), _seq("b")
+    q.push(a)
+    q.push(b)
+    q.remove(a)
+    assert len(q) == 1 and list(q) == [b]
+    assert q.pop() is b and q.peek() is None
+
+
+def test_charges_are_counted_per_tenant():
+    q = FairQueue()
+    seq = _seq("a")
+    q.charge(seq, 7)
+    q.charge(seq, 3)
+    assert q.num_tokens_charged == {"a": 10}
+
+
+def test_fifo_queue_keeps_arrival_order_across_tenants():
+    q = FifoQueue()
+    seqs = [_seq(t) for t in "aab"]
+    for seq in seqs:
+        q.push(seq)
+    back = _seq("b")
+    q.push_front(back)
+    assert [q.pop() for _ in range(4)] == [back, *seqs]

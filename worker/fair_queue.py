@@ -1,0 +1,220 @@
+"""Which waiting sequence enters the batch next: weighted deficit round-robin over tenants,
+charged in tokens, with strict priority between tiers.
+
+Plain Python, no torch, no I/O. The scheduler asks `peek()` whenever it has room, takes the
+sequence with `pop()`, and charges every token it computes to the sequence's tenant.
+
+The algorithm (DRR, Shreedhar & Varghese 1995, charged after the fact in tokens as in VTC,
+Sheng et al., OSDI'24):
+
+- Each tenant has a FIFO of waiting sequences (a preempted sequence goes back to the front of
+  its own tenant's queue) and a *deficit*: the tokens it may still start work against.
+- Only the highest tier that has anything waiting is served: higher tiers win contested
+  admission. Within that tier, tenants whose deficit is positive are eligible, visited
+  round-robin; after each pick the pointer moves on, so tenants interleave request by request.
+- When no waiting tenant of the tier has a positive deficit, a round begins: each of them
+  gains `quantum_tokens * weight` (as many rounds at once as it takes for one to become
+  eligible). Tenants with nothing waiting gain nothing: credit never accrues while idle.
+- Charges: a sequence's tokens to (re)compute when it is started (its prompt, or its prompt
+  and output so far after a preemption: recompute is charged) and one token per decode step.
+  Charges apply whether or not the tenant is waiting, so a tenant with many running
+  sequences falls behind one that waits.
+- A tenant that starts waiting again keeps any debt, but gives up credit above the level of
+  the competition (VTC's counter lift): its deficit per unit of weight is capped at the
+  highest of the tenants already waiting in its tier, or, when none is, at that of the
+  tenant that last stopped waiting. Using idle capacity is therefore not punished, and
+  staying away earns nothing.
+
+It is work-conserving: whenever any sequence waits, `peek()` returns one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from worker.sequence import Sequence
+
+DEFAULT_QUANTUM_TOKENS = 256
+
+
+class WaitingQueue(Protocol):
+    """What the scheduler needs of its waiting queue; `FairQueue` and `FifoQueue` provide it."""
+
+    def push(self, seq: Sequence) -> None: ...
+    def push_front(self, seq: Sequence) -> None: ...
+    def peek(self) -> Sequence | None: ...
+    def pop(self) -> Sequence: ...
+    def remove(self, seq: Sequence) -> None: ...
+    def charge(self, seq: Sequence, num_tokens: int) -> None: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Sequence]: ...
+
+
+@dataclass(slots=True)
+class TenantState:
+    tier: int
+    weight: int
+    deficit: float = 0.0
+    waiting: deque[Sequence] = field(default_factory=deque)
+
+    @property
+    def level(self) -> float:
+        """Deficit per unit of weight: how far ahead of its share the tenant may run."""
+        return self.deficit / self.weight
+
+
+class FairQueue:
+    def __init__(self, quantum_tokens: int = DEFAULT_QUANTUM_TOKENS) -> None:
+        if quantum_tokens < 1:
+            raise ValueError("quantum_tokens must be at least 1")
+        self.quantum_tokens = quantum_tokens
+        self.tenants: dict[str, TenantState] = {}
+        # Waiting tenants per tier, in round-robin order: the head is visited next.
+        self._rings: dict[int, deque[str]] = {}
+        self._last_left: str | None = None
+        self._num_waiting = 0
+        self.num_tokens_charged: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return self._num_waiting
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for tenant in self.tenants.values():
+            yield from tenant.waiting
+
+    def push(self, seq: Sequence) -> None:
+        self._enqueue(seq, at_front=False)
+
+    def push_front(self, seq: Sequence) -> None:
+        """Put back a preempted sequence ahead of its tenant's newer work."""
+        self._enqueue(seq, at_front=True)
+
+    def peek(self) -> Sequence | None:
+        """The sequence to start next, or None when nothing waits. Does not change the order."""
+        tenant_id = self._next_tenant()
+        return None if tenant_id is None else self.tenants[tenant_id].waiting[0]
+
+    def pop(self) -> Sequence:
+        """Take the sequence `peek()` returned; the round-robin pointer moves past its tenant."""
+        tenant_id = self._next_tenant()
+        if tenant_id is None:
+            raise IndexError("pop from an empty FairQueue")
+        tenant = self.tenants[tenant_id]
+        ring = self._rings[tenant.tier]
+        seq = tenant.waiting.popleft()
+        self._num_waiting -= 1
+        ring.remove(tenant_id)
+        if tenant.waiting:
+            ring.append(tenant_id)
+        else:
+            self._stop_waiting(tenant_id)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a waiting sequence (cancelled before it started)."""
+        tenant = self.tenants[seq.tenant_id]
+        tenant.waiting.remove(seq)
+        self._num_waiting -= 1
+        if not tenant.waiting:
+            self._rings[tenant.tier].remove(seq.tenant_id)
+            self._stop_waiting(seq.tenant_id)
+
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        """Charge tokens computed for `seq` (prefill, recompute or decode) to its tenant."""
+        self._tenant(seq).deficit -= num_tokens
+        self.num_tokens_charged[seq.tenant_id] += num_tokens
+
+    def _enqueue(self, seq: Sequence, *, at_front: bool) -> None:
+        tenant = self._tenant(seq)
+        if not tenant.waiting:
+            self._start_waiting(seq.tenant_id, tenant)
+        if at_front:
+            tenant.waiting.appendleft(seq)
+        else:
+            tenant.waiting.append(seq)
+        self._num_waiting += 1
+
+    def _tenant(self, seq: Sequence) -> TenantState:
+        tenant = self.tenants.get(seq.tenant_id)
+        if tenant is None:
+            tenant = self.tenants[seq.tenant_id] = TenantState(seq.tier, seq.weight)
+        elif not tenant.waiting:
+            # Tier and weight may change between requests (an operator updated the tenant).
+            tenant.tier, tenant.weight = seq.tier, seq.weight
+        return tenant
+
+    def _start_waiting(self, tenant_id: str, tenant: TenantState) -> None:
+        ring = self._rings.setdefault(tenant.tier, deque())
+        competitors = [self.tenants[t] for t in ring]
+        if competitors:
+            cap = max(t.level for t in competitors)
+        elif self._last_left is not None and self._last_left != tenant_id:
+            cap = self.tenants[self._last_left].level
+        else:
+            cap = math.inf
+        tenant.deficit = min(tenant.deficit, cap * tenant.weight)
+        ring.append(tenant_id)
+
+    def _stop_waiting(self, tenant_id: str) -> None:
+        self._last_left = tenant_id
+
+    def _next_tenant(self) -> str | None:
+        tier = max((tier for tier, ring in self._rings.items() if ring), default=None)
+        if tier is None:
+            return None
+        ring = self._rings[tier]
+        eligible = [t for t in ring if self.tenants[t].deficit > 0]
+        if not eligible:
+            self._start_rounds(ring)
+            eligible = [t for t in ring if self.tenants[t].deficit > 0]
+        return eligible[0]  # the ring's order: the first eligible after the pointer
+
+    def _start_rounds(self, ring: deque[str]) -> None:
+        """Add as many rounds of quantum * weight as it takes for one waiting tenant to become
+        eligible (deficit > 0), all at once."""
+        states = [self.tenants[t] for t in ring]
+        num_rounds = min(
+            math.floor(-t.deficit / (self.quantum_tokens * t.weight)) + 1 for t in states
+        )
+        for t in states:
+            t.deficit += num_rounds * self.quantum_tokens * t.weight
+
+
+class FifoQueue:
+    """Arrival order, tenants ignored: the baseline fair queuing is measured against. Entries
+    pulled from several tenants' streams at once are merged by arrival time."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[Sequence] = deque()
+        self.num_tokens_charged: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._waiting)
+
+    def push(self, seq: Sequence) -> None:
+        index = len(self._waiting)
+        while index and self._waiting[index - 1].arrival_s > seq.arrival_s:
+            index -= 1
+        self._waiting.insert(index, seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        self._waiting.appendleft(seq)
+
+    def peek(self) -> Sequence | None:
+        return self._waiting[0] if self._waiting else None
+
+    def pop(self) -> Sequence:
+        return self._waiting.popleft()
+
+    def remove(self, seq: Sequence) -> None:
+        self._waiting.remove(seq)
+
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        self.num_tokens_charged[seq.tenant_id] += num_tokens
