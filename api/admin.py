@@ -21,7 +21,7 @@ from starlette.routing import Mount, Route
 from api.admin_schemas import TenantCreateBody, TenantUpdateBody
 from api.context import ApiContext
 from api.errors import APIError, bad_request, not_found, unauthorized
-from api.schemas import parse_body
+from api.schemas import parse_body, read_body
 from shared import tenants
 from shared.tables import Tenant
 from shared.tenants import LIMIT_FIELDS, InvalidTenantField, IssuedKey, KeyInfo, TenantNameTaken
@@ -39,7 +39,9 @@ def _admin_ctx(request: Request) -> ApiContext:
 
 async def create_tenant(request: Request) -> Response:
     ctx = _admin_ctx(request)
-    body = parse_body(TenantCreateBody, await request.body())
+    body = parse_body(
+        TenantCreateBody, await read_body(request, ctx.settings.max_request_body_bytes)
+    )
     tenant, issued = await run_in_threadpool(_create_tenant, ctx, body)
     api_key = _issued_key_json(issued) if issued is not None else None
     return JSONResponse({**_tenant_json(tenant), "api_key": api_key}, status_code=201)
@@ -73,7 +75,9 @@ async def get_tenant(request: Request) -> Response:
 
 async def update_tenant(request: Request) -> Response:
     ctx = _admin_ctx(request)
-    changes = parse_body(TenantUpdateBody, await request.body()).changes()
+    changes = parse_body(
+        TenantUpdateBody, await read_body(request, ctx.settings.max_request_body_bytes)
+    ).changes()
     name = request.path_params["name"]
     try:
         tenant = await run_in_threadpool(tenants.update_tenant, ctx.engine, name, **changes)

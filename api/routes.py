@@ -15,8 +15,8 @@ from starlette.routing import Route
 from api import admission, broker
 from api.auth import authenticate
 from api.context import ApiContext
-from api.errors import APIError, not_found
-from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body
+from api.errors import not_found
+from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body, read_body
 from api.streaming import chunk_format, collect, sse_events
 from shared import deployments, quota
 from shared.db import session_scope
@@ -33,7 +33,7 @@ def _ctx(request: Request) -> ApiContext:
 async def completions(request: Request) -> Response:
     ctx = _ctx(request)
     principal = await authenticate(request, ctx)
-    body = parse_body(CompletionBody, await _read_body(request, ctx))
+    body = parse_body(CompletionBody, await read_body(request, ctx.settings.max_request_body_bytes))
     queued = await admission.admit_completion(ctx, principal, body)
     return await _respond(ctx, queued, body)
 
@@ -41,7 +41,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     principal = await authenticate(request, ctx)
-    body = parse_body(ChatBody, await _read_body(request, ctx))
+    body = parse_body(ChatBody, await read_body(request, ctx.settings.max_request_body_bytes))
     queued = await admission.admit_chat(ctx, principal, body)
     return await _respond(ctx, queued, body)
 
@@ -70,23 +70,6 @@ async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription
                 # Redis is likely down too; the slots expire after `request_max_lifetime_s`.
                 log.exception("could not release the admission of %s", queued.request_id)
         raise
-
-
-async def _read_body(request: Request, ctx: ApiContext) -> bytes:
-    limit = ctx.settings.max_request_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit)
-    return body
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body exceeds {limit} bytes.", code="request_too_large")
 
 
 async def list_models(request: Request) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.requests import Request
 
 from api.errors import APIError, bad_request
 
@@ -99,3 +100,20 @@ def _to_api_error(exc: ValidationError) -> APIError:
     if param:
         message = f"{param}: {message}"
     return bad_request(message, param=param, code="invalid_value")
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The raw body, or 413 as soon as it is known to exceed `limit_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise _too_large(limit_bytes)
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit_bytes:
+            raise _too_large(limit_bytes)
+    return body
+
+
+def _too_large(limit_bytes: int) -> APIError:
+    return APIError(413, f"The request body exceeds {limit_bytes} bytes.", code="request_too_large")

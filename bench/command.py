@@ -6,11 +6,14 @@ directly with one seeded workload, and report TTFT, TPOT, ITL, E2E, throughput a
 - both: also prints full stack / engine-direct throughput.
 - `--compare`: one-at-a-time, static and continuous batching, engine-direct, on the same
   workload in one invocation, with the ratios.
+- `--scenario noisy-neighbour|weighted`: multi-tenant fairness, engine-direct, fair queuing
+  against FIFO (bench/scenarios.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -41,6 +44,15 @@ def bench(
     ] = False,
     roofline_batch: Annotated[list[int] | None, typer.Option()] = None,
     roofline_context: int = 256,
+    scenario: Annotated[
+        str | None, typer.Option(help="noisy-neighbour | weighted (multi-tenant, engine-direct).")
+    ] = None,
+    scenario_duration_s: Annotated[
+        float, typer.Option(help="noisy-neighbour: seconds of steady arrivals.")
+    ] = 40.0,
+    steady_rate_per_s: Annotated[
+        float, typer.Option(help="noisy-neighbour: B's and C's rate; A sends 10x.")
+    ] = 0.4,
     num_requests: int = 64,
     seed: int = 0,
     arrival: Annotated[str, typer.Option(help="burst | poisson")] = "burst",
@@ -68,6 +80,18 @@ def bench(
     """Benchmark llmfleet (or a peer) with an open-loop, seeded workload."""
     if roofline:
         _roofline(source, dtype, roofline_batch or [1, 8, 32, 64], roofline_context, json_path)
+        return
+    if scenario:
+        from worker.engine import EngineConfig
+
+        base = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_gb=kv_cache_gb,
+        )
+        _scenario(
+            scenario, base, source, dtype, seed, scenario_duration_s, steady_rate_per_s, json_path
+        )
         return
     from bench.client import run_http
     from bench.workload import make_workload
@@ -151,6 +175,78 @@ def _roofline(source: str, dtype: str, batch_sizes: list[int], context: int, jso
         )
     if json_path:
         report.write_json(json_path, {"bandwidth_bytes_per_s": bandwidth, "points": points})
+
+
+def _scenario(
+    name: str,
+    base,
+    source: str,
+    dtype: str,
+    seed: int,
+    duration_s: float,
+    steady_rate_per_s: float,
+    json_path: str | None,
+) -> None:
+    from bench import metrics, report, scenarios
+    from bench.engine_direct import run_engine
+    from shared import model_source
+    from worker.engine import build_engine
+    from worker.runner import loader
+
+    plan = scenarios.build(
+        name, seed=seed, duration_s=duration_s, steady_rate_per_s=steady_rate_per_s
+    )
+    resolved = model_source.resolve(source)
+    loaded = loader.load(resolved, "auto", dtype)
+    decoder = model_source.load_tokenizer(resolved)
+    runs, durations = {}, {}
+    for planned in plan.runs:
+        typer.echo(f"{name}: {planned.label} ...")
+        engine = build_engine(loaded, dataclasses.replace(base, queueing=planned.queueing))
+        run = run_engine(
+            engine,
+            decoder,
+            plan.workloads[planned.workload],
+            tenants=planned.tenants or plan.tenants,
+            until_tenants_done=plan.until_tenants_done,
+        )
+        runs[planned.label], durations[planned.label] = run.results, run.duration_s
+    tenant_of = scenarios.tenant_of(plan)
+    rows = {
+        f"{label} / {tenant}": metrics.summarize(
+            [r for r in tenant_results if r.end_s], durations[label]
+        )
+        for label, results in runs.items()
+        for tenant, tenant_results in sorted(scenarios.per_tenant(results, tenant_of).items())
+    }
+    typer.echo(report.format_table(rows))
+    evaluation = plan.evaluate(runs, durations, plan)
+    for check, outcome in evaluation["checks"].items():
+        verdict = "met" if outcome["is_met"] else "NOT met"
+        typer.echo(f"{check}: {outcome['value']:.3f} (target {outcome['target']}): {verdict}")
+    if json_path:
+        report.write_json(
+            json_path,
+            {
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "scenario": name,
+                "arguments": {
+                    "seed": seed,
+                    "duration_s": duration_s,
+                    "steady_rate_per_s": steady_rate_per_s,
+                    "engine": dataclasses.asdict(base),
+                    "source": source,
+                    "dtype": dtype,
+                },
+                "tenants": [dataclasses.asdict(t) for t in plan.tenants],
+                "per_tenant": rows,
+                "evaluation": evaluation,
+                "requests": {
+                    label: [dataclasses.asdict(r) | {"tenant": tenant_of[r.index]} for r in results]
+                    for label, results in runs.items()
+                },
+            },
+        )
 
 
 def _kv_stats(samples: list[float]) -> dict:

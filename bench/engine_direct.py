@@ -7,12 +7,12 @@ engine costs. Arrivals are honoured open loop by wall clock, as the HTTP client 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.client import RequestResult, progress_bar
-from bench.workload import RequestSpec
+from bench.workload import RequestSpec, TenantSpec
 from shared.protocol import QueuedRequest, SamplingParams
 from worker.engine import Engine
 from worker.sequence import Sequence, SequenceOutput
@@ -35,17 +35,30 @@ class _Driver:
     run: EngineRun
     advance: Callable[[], None]
     temperature: float
+    tenants: dict[str, TenantSpec]
     start_s: float = field(default_factory=time.perf_counter)
-    num_done: int = 0
+    num_in_flight: Counter[str] = field(default_factory=Counter)
+    tenant_of: dict[int, str] = field(default_factory=dict)
 
     def admit_arrived(self) -> None:
         now = time.perf_counter()
         while self.pending and self.start_s + self.pending[0].arrival_s <= now:
             spec = self.pending.popleft()
             self.results[spec.index].start_s = now
-            refused = self.engine.add(_sequence(spec, self.decoder, self.temperature))
+            tenant = self.tenants.get(spec.tenant, TenantSpec(spec.tenant))
+            if self.num_in_flight[tenant.name] == tenant.max_requests_in_flight:
+                self.refuse(spec.index, "429 requests_in_flight_exceeded", now)
+                continue
+            self.num_in_flight[tenant.name] += 1
+            self.tenant_of[spec.index] = tenant.name
+            refused = self.engine.add(_sequence(spec, tenant, self.decoder, self.temperature))
             if refused is not None:
                 self.record(refused, now)
+
+    def refuse(self, index: int, error: str, now: float) -> None:
+        result = self.results[index]
+        result.is_ok, result.error, result.end_s = False, error, now
+        self.advance()
 
     def step_or_wait(self) -> None:
         if not self.engine.has_work():
@@ -68,10 +81,10 @@ class _Driver:
         result.num_prompt_tokens = output.num_prompt_tokens
         result.num_output_tokens = output.num_output_tokens
         if output.is_finished:
+            self.num_in_flight[self.tenant_of[result.index]] -= 1
             result.end_s = now
             if output.error is not None:
                 result.is_ok, result.error = False, output.error.message
-            self.num_done += 1
             self.advance()
 
 
@@ -82,22 +95,36 @@ def run_engine(
     *,
     temperature: float = 0.0,
     show_progress: bool = True,
+    tenants: list[TenantSpec] = (),
+    until_tenants_done: set[str] | None = None,
 ) -> EngineRun:
+    """Run `workload` through `engine` until every request finished, or, with
+    `until_tenants_done`, until those tenants' requests have (the rest are abandoned)."""
     results = {spec.index: RequestResult(spec.index, True, None, 0.0) for spec in workload}
+    awaited = [
+        results[spec.index]
+        for spec in workload
+        if until_tenants_done is None or spec.tenant in until_tenants_done
+    ]
     run = EngineRun(list(results.values()))
+    by_name = {tenant.name: tenant for tenant in tenants}
     with progress_bar(len(workload), show_progress) as advance:
-        driver = _Driver(engine, decoder, deque(workload), results, run, advance, temperature)
-        while driver.num_done < len(workload):
+        driver = _Driver(
+            engine, decoder, deque(workload), results, run, advance, temperature, by_name
+        )
+        while not all(result.end_s for result in awaited):
             driver.admit_arrived()
             driver.step_or_wait()
     run.duration_s = time.perf_counter() - driver.start_s
     return run
 
 
-def _sequence(spec: RequestSpec, decoder, temperature: float) -> Sequence:
+def _sequence(spec: RequestSpec, tenant: TenantSpec, decoder, temperature: float) -> Sequence:
     request = QueuedRequest(
         request_id=str(spec.index),
-        tenant_id="bench",
+        tenant_id=tenant.name,
+        tier=tenant.tier,
+        weight=tenant.weight,
         model="bench",
         deployment_id=0,
         kind="completion",

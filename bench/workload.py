@@ -14,6 +14,16 @@ ARRIVALS = ("poisson", "burst")
 
 
 @dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """A tenant of a multi-tenant scenario."""
+
+    name: str
+    weight: int = 1
+    tier: int = 1
+    max_requests_in_flight: int | None = None  # engine-direct stands in for the API's limit
+
+
+@dataclass(frozen=True, slots=True)
 class RequestSpec:
     """One request of a workload."""
 
@@ -21,6 +31,7 @@ class RequestSpec:
     arrival_s: float  # offset from the start of the run
     prompt_token_ids: list[int]
     max_tokens: int  # the output length is forced: clients send ignore_eos=True
+    tenant: str = "bench"  # multi-tenant scenarios (bench/scenarios.py)
 
 
 def make_workload(

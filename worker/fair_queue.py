@@ -22,8 +22,9 @@ Sheng et al., OSDI'24):
 - A tenant that starts waiting again keeps any debt, but gives up credit above the level of
   the competition (VTC's counter lift): its deficit per unit of weight is capped at the
   highest of the tenants already waiting in its tier, or, when none is, at that of the
-  tenant that last stopped waiting. Using idle capacity is therefore not punished, and
-  staying away earns nothing.
+  tenant that last stopped waiting; without debt it is set to that level. Using idle
+  capacity is therefore not punished, and staying away earns nothing. It is visited next, ahead of the backlogged tenants' next
+  turn: a light tenant's request does not queue behind a heavy tenant's round.
 
 It is work-conserving: whenever any sequence waits, `peek()` returns one.
 """
@@ -50,6 +51,10 @@ class WaitingQueue(Protocol):
     def pop(self) -> Sequence: ...
     def remove(self, seq: Sequence) -> None: ...
     def charge(self, seq: Sequence, num_tokens: int) -> None: ...
+    def priority(self, seq: Sequence) -> tuple:
+        """Sort key of prefill work within a step: smaller goes first."""
+        ...
+
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Sequence]: ...
 
@@ -128,6 +133,20 @@ class FairQueue:
         self._tenant(seq).deficit -= num_tokens
         self.num_tokens_charged[seq.tenant_id] += num_tokens
 
+    def priority(self, seq: Sequence) -> tuple[int, float, float]:
+        """Higher tier, then the tenant with the most credit per unit of weight, then age.
+
+        A running sequence's own tokens charged at admission but not computed yet are added
+        back: its place depends on the service its tenant has had, not on the prompt it is
+        still working through (else a light tenant's long prompt, charged in full when it
+        was admitted, would fall behind a heavy tenant's chunks).
+        """
+        tenant = self.tenants.get(seq.tenant_id)
+        if tenant is None:
+            return (-seq.tier, 0.0, seq.arrival_s)
+        num_pending = max(0, seq.num_charged_tokens - seq.num_computed_tokens)
+        return (-seq.tier, -(tenant.deficit + num_pending) / tenant.weight, seq.arrival_s)
+
     def _enqueue(self, seq: Sequence, *, at_front: bool) -> None:
         tenant = self._tenant(seq)
         if not tenant.waiting:
@@ -156,8 +175,13 @@ class FairQueue:
             cap = self.tenants[self._last_left].level
         else:
             cap = math.inf
-        tenant.deficit = min(tenant.deficit, cap * tenant.weight)
-        ring.append(tenant_id)
+        if tenant.deficit >= 0 and cap < math.inf:
+            tenant.deficit = cap * tenant.weight  # no debt: level with its competition
+        else:
+            tenant.deficit = min(tenant.deficit, cap * tenant.weight)
+        # Visited next: a tenant that had nothing waiting is served before the backlogged
+        # ones get another turn (it cannot run ahead of its share: its deficit was capped).
+        ring.appendleft(tenant_id)
 
     def _stop_waiting(self, tenant_id: str) -> None:
         self._last_left = tenant_id
@@ -218,3 +242,6 @@ class FifoQueue:
 
     def charge(self, seq: Sequence, num_tokens: int) -> None:
         self.num_tokens_charged[seq.tenant_id] += num_tokens
+
+    def priority(self, seq: Sequence) -> tuple[float]:
+        return (seq.arrival_s,)

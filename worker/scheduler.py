@@ -104,37 +104,57 @@ class Scheduler:
         return sum(self.num_preemptions_by_tenant.values())
 
     def schedule(self) -> SchedulerOutput:
-        """Running sequences first, oldest first: each gets the tokens it still needs (1 for a
-        decode, the next chunk of its prompt otherwise) while the step's token budget lasts.
-        When one needs a KV block and none is free, the policy picks a victim among the
-        running sequences not yet scheduled this step (possibly the sequence itself); the
-        victim's blocks are freed and it waits, ahead of new work, to be recomputed. Then,
-        if nothing was preempted, waiting sequences are admitted in the waiting queue's order
-        (weighted fair queuing between tenants, or FIFO) while the budget, `max_num_seqs` and
-        the free blocks allow: a sequence is admitted only when all its tokens so far fit in
-        the free blocks, and the first that does not fit stops admission (no overtaking, so a
-        long prompt cannot starve). Every token computed is charged to the sequence's tenant
-        in the waiting queue: all of a sequence's tokens when it is admitted (its prompt, or
+        """First the decodes of running sequences, oldest first, one token each, while the
+        step's token budget lasts. Then prefill work (the next chunk of a running sequence's
+        prompt, or of its recompute, and the admission of waiting sequences) in the waiting
+        queue's priority order: with fair queuing, the tenant furthest below its weighted
+        share first, so a light tenant's new prompt does not wait behind a heavy tenant's
+        chunks; with FIFO, oldest first. When a running sequence needs a KV block and none is
+        free, the policy picks a victim among the running sequences not yet scheduled this
+        step (possibly the sequence itself); the victim's blocks are freed and it goes back
+        to the front of its tenant's queue, to be recomputed. A waiting sequence is admitted
+        only if nothing was preempted this step, `max_num_seqs` allows and all its tokens so
+        far fit in the free blocks; the first that does not fit stops admission (no
+        overtaking, so a long prompt cannot starve). Every token computed is charged to the
+        sequence's tenant: all of a sequence's tokens when it is admitted (its prompt, or
         everything again after a preemption), then each decode.
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
-        for seq in sorted(self.running, key=lambda s: s.arrival_s):
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, num_new, scheduled, out):
-                continue
-            self._schedule_chunk(seq, num_new, out)
-            scheduled.add(id(seq))
-            budget -= num_new
-        if not out.preempted:
-            self._admit(budget, out)
+        running = sorted(self.running, key=lambda s: s.arrival_s)
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding:
+            budget = self._schedule_running(seq, budget, scheduled, out)
+        can_admit = True
+        for seq in sorted(prefilling, key=self.waiting.priority):
+            while can_admit and budget > 0 and self._is_waiting_ahead_of(seq):
+                can_admit = self._admit_next(budget, scheduled, out)
+                budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            budget = self._schedule_running(seq, budget, scheduled, out)
+        while can_admit and budget > 0:
+            can_admit = self._admit_next(budget, scheduled, out)
+            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
         self._check_invariants()
         return out
+
+    def _schedule_running(
+        self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput
+    ) -> int:
+        """Schedule `seq`'s next tokens within `budget`; the budget left."""
+        if budget == 0 or seq.status is not SequenceStatus.RUNNING:
+            return budget  # out of budget, or preempted earlier in this step
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self._make_room(seq, num_new, scheduled, out):
+            return budget
+        self._schedule_chunk(seq, num_new, out)
+        scheduled.add(id(seq))
+        return budget - num_new
+
+    def _is_waiting_ahead_of(self, seq: Sequence) -> bool:
+        head = self.waiting.peek()
+        return head is not None and self.waiting.priority(head) < self.waiting.priority(seq)
 
     def _make_room(
         self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput
@@ -148,20 +168,21 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.peek()
-            if seq is None:
-                break
-            if self.kv_cache.num_blocks_for(seq.num_tokens) > self.kv_cache.num_free_blocks:
-                break
-            num_new = min(seq.num_tokens, budget)
-            self.waiting.pop()
-            self._charge(seq, seq.num_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._schedule_chunk(seq, num_new, out)
-            budget -= num_new
+    def _admit_next(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+        """Admit the waiting queue's next sequence with up to `budget` of its tokens; False
+        when none can be admitted in this step."""
+        seq = self.waiting.peek()
+        if seq is None or out.preempted or len(self.running) >= self.config.max_num_seqs:
+            return False
+        if self.kv_cache.num_blocks_for(seq.num_tokens) > self.kv_cache.num_free_blocks:
+            return False
+        self.waiting.pop()
+        self._charge(seq, seq.num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._schedule_chunk(seq, min(seq.num_tokens, budget), out)
+        scheduled.add(id(seq))
+        return True
 
     def _schedule_chunk(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         self.kv_cache.allocate(seq, num_new)

@@ -1,4 +1,4 @@
-"""Preemption policies and the tenant-aware scheduler under KV-cache pressure: pure."""
+"""The scheduler with tenants: preemption policies, fair admission and fair prefill order; pure."""
 
 from __future__ import annotations
 
@@ -98,3 +98,23 @@ def test_preempted_sequence_is_recomputed_charged_and_counted_for_its_tenant():
         assert queue.num_tokens_charged[seq.tenant_id] == seq.num_computed_total
     victim = a if scheduler.num_preemptions_by_tenant["a"] else b
     assert victim.num_computed_total > victim.num_prompt_tokens + victim.num_output_tokens - 1
+
+
+def test_a_light_tenants_new_prompt_goes_before_a_heavy_tenants_prompt_chunks():
+    queue = FairQueue(quantum_tokens=8)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+        KVCacheManager(100, 4),
+        queue,
+        TenantAwarePreemption(),
+    )
+    heavy = make_sequence(0, 64, 4, tenant_id="heavy")
+    scheduler.add(heavy)
+    _step(scheduler)  # heavy's first 16-token chunk: heavy is now in debt
+    light = make_sequence(1, 8, 4, tenant_id="light")
+    scheduler.add(light)
+    out = scheduler.schedule()
+    assert [(c.seq.tenant_id, c.num_new_tokens) for c in out.prefills] == [
+        ("light", 8),
+        ("heavy", 8),
+    ]

@@ -1,0 +1,246 @@
+"""Multi-tenant scenarios: is the batch shared fairly, and what does fairness cost?
+
+- `noisy-neighbour`: tenants B and C send steady Poisson load; tenant A sends 10 times
+  their rate, far beyond its fair share. Target: B's and C's TTFT p99 with A flooding stay
+  within 1.3x of their TTFT p99 without A (same seed, same B and C requests). Also run
+  under FIFO, to show what fair queuing prevents.
+- `weighted`: tenants with weights 4:2:1 send the same number of requests, all at once,
+  far more than the batch holds, so all three are backlogged until the heaviest-weighted
+  one has been served. Targets while all are backlogged: each tenant's token service
+  (prompt and output tokens) within +-10% of its weighted share, and Jain's fairness index
+  over weight-normalised service >= 0.98 in every 10-second window. The same load under
+  FIFO (which serves the three alike) gives the throughput baseline: fair queuing must keep
+  >= 95% of FIFO's output throughput.
+
+Runs are engine-direct (the scheduler's policy without HTTP noise), from one seed, so the
+fair and FIFO runs see exactly the same requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench import metrics
+from bench.client import RequestResult
+from bench.workload import RequestSpec, TenantSpec, make_workload
+
+SCENARIOS = ("noisy-neighbour", "weighted")
+WINDOW_S = 10.0
+TARGETS = {
+    "noisy_neighbour_ttft_p99_ratio_max": 1.3,
+    "weighted_share_error_max": 0.10,
+    "weighted_jain_min": 0.98,
+    "fair_over_fifo_throughput_min": 0.95,
+}
+
+A_MAX_REQUESTS_IN_FLIGHT = 16  # noisy-neighbour: A's admission limit in the limited run
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Run:
+    """One engine run of a scenario."""
+
+    label: str
+    queueing: str  # EngineConfig.queueing
+    workload: str  # a key of Scenario.workloads
+    tenants: list[TenantSpec] | None = None  # None: the scenario's
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Scenario:
+    tenants: list[TenantSpec]
+    workloads: dict[str, list[RequestSpec]]
+    runs: list[Run]
+    until_tenants_done: set[str] | None  # stop a run once these tenants are served
+    evaluate: Callable[[dict[str, list[RequestResult]], dict[str, float], Scenario], dict]
+
+
+def build(name: str, *, seed: int, duration_s: float, steady_rate_per_s: float) -> Scenario:
+    if name == "noisy-neighbour":
+        return noisy_neighbour(seed, duration_s, steady_rate_per_s)
+    if name == "weighted":
+        return weighted(seed)
+    raise ValueError(f"unknown scenario {name!r}; one of {SCENARIOS}")
+
+
+def noisy_neighbour(seed: int, duration_s: float, steady_rate_per_s: float) -> Scenario:
+    num_steady = max(1, round(duration_s * steady_rate_per_s))
+    shape = {"prompt_tokens_min": 64, "prompt_tokens_max": 256, "output_tokens_mean": 64.0}
+    shape["output_tokens_max"] = 128
+
+    def traffic(tenant: str, offset: int, rate_per_s: float, count: int) -> list[RequestSpec]:
+        specs = make_workload(
+            count, seed=seed + offset, arrival="poisson", rate_per_s=rate_per_s, **shape
+        )
+        return [dataclasses.replace(s, tenant=tenant, index=offset + s.index) for s in specs]
+
+    steady = traffic("B", 10_000, steady_rate_per_s, num_steady)
+    steady += traffic("C", 20_000, steady_rate_per_s, num_steady)
+    flood = traffic("A", 0, 10 * steady_rate_per_s, 10 * num_steady)
+    tenants = [TenantSpec("A"), TenantSpec("B"), TenantSpec("C")]
+    limited = [TenantSpec("A", max_requests_in_flight=A_MAX_REQUESTS_IN_FLIGHT), *tenants[1:]]
+    return Scenario(
+        tenants=tenants,
+        workloads={"alone": _by_arrival(steady), "flooded": _by_arrival(steady + flood)},
+        runs=[
+            Run("B+C alone (fair)", "fair", "alone"),
+            Run("A floods (fair)", "fair", "flooded"),
+            Run(
+                f"A floods, <={A_MAX_REQUESTS_IN_FLIGHT} in flight (fair)",
+                "fair",
+                "flooded",
+                limited,
+            ),
+            Run("A floods (fifo)", "fifo", "flooded"),
+        ],
+        until_tenants_done={"B", "C"},
+        evaluate=_evaluate_noisy_neighbour,
+    )
+
+
+def weighted(seed: int, num_requests_per_tenant: int = 80) -> Scenario:
+    tenants = [TenantSpec("A", weight=4), TenantSpec("B", weight=2), TenantSpec("C", weight=1)]
+    workload: list[RequestSpec] = []
+    for offset, tenant in enumerate(tenants):
+        specs = make_workload(
+            num_requests_per_tenant,
+            seed=seed + offset,
+            arrival="burst",
+            burst_window_s=0.5,
+            prompt_tokens_min=32,
+            prompt_tokens_max=96,
+            output_tokens_mean=128.0,
+            output_tokens_max=256,
+        )
+        workload += [
+            dataclasses.replace(s, tenant=tenant.name, index=offset * 10_000 + s.index)
+            for s in specs
+        ]
+    return Scenario(
+        tenants=tenants,
+        workloads={"backlogged": _by_arrival(workload)},
+        runs=[Run("4:2:1 (fair)", "fair", "backlogged"), Run("4:2:1 (fifo)", "fifo", "backlogged")],
+        until_tenants_done=None,
+        evaluate=_evaluate_weighted,
+    )
+
+
+def _by_arrival(specs: list[RequestSpec]) -> list[RequestSpec]:
+    return sorted(specs, key=lambda s: s.arrival_s)
+
+
+def tenant_of(scenario: Scenario) -> dict[int, str]:
+    return {s.index: s.tenant for specs in scenario.workloads.values() for s in specs}
+
+
+def per_tenant(results: list[RequestResult], tenants: dict[int, str]) -> dict[str, list]:
+    grouped: dict[str, list[RequestResult]] = {}
+    for result in results:
+        grouped.setdefault(tenants[result.index], []).append(result)
+    return grouped
+
+
+def _evaluate_noisy_neighbour(runs, durations, scenario: Scenario) -> dict:
+    tenants = tenant_of(scenario)
+    ttft_p99 = {
+        label: {
+            tenant: metrics.percentiles([r.ttft_s for r in rs if r.is_ok and r.ttft_s])["p99"]
+            for tenant, rs in per_tenant(results, tenants).items()
+        }
+        for label, results in runs.items()
+    }
+    alone, *flooded = (run.label for run in scenario.runs)
+    target = TARGETS["noisy_neighbour_ttft_p99_ratio_max"]
+    checks = {}
+    for label in flooded:
+        worst = max(ttft_p99[label][t] / ttft_p99[alone][t] for t in ("B", "C"))
+        checks[f"B and C TTFT p99 / alone, {label} <= {target}"] = {
+            "value": worst,
+            "target": target,
+            "is_met": worst <= target,
+        }
+    refused = {
+        label: sum(not r.is_ok for r in results if tenants[r.index] == "A")
+        for label, results in runs.items()
+    }
+    return {"ttft_p99_s": ttft_p99, "num_refused_A": refused, "checks": checks}
+
+
+def _evaluate_weighted(runs, durations, scenario: Scenario) -> dict:
+    tenants = tenant_of(scenario)
+    weights = {t.name: t.weight for t in scenario.tenants}
+    fair, fifo = (run.label for run in scenario.runs)
+    report: dict[str, Any] = {"runs": {}}
+    for label, results in runs.items():
+        report["runs"][label] = _weighted_service(per_tenant(results, tenants), weights)
+    throughput = {
+        label: sum(r.num_output_tokens for r in results) / durations[label]
+        for label, results in runs.items()
+    }
+    fair_run = report["runs"][fair]
+    share_error = max(abs(e) for e in fair_run["share_error"].values())
+    min_jain = min(fair_run["jain_per_window"], default=0.0)
+    ratio = throughput[fair] / throughput[fifo]
+    report["output_tokens_per_s"] = throughput
+    report["checks"] = {
+        "weighted service within +-10% of 4:2:1 (fair)": {
+            "value": share_error,
+            "target": TARGETS["weighted_share_error_max"],
+            "is_met": share_error <= TARGETS["weighted_share_error_max"],
+        },
+        "Jain's index >= 0.98 in every 10 s window (fair)": {
+            "value": min_jain,
+            "target": TARGETS["weighted_jain_min"],
+            "is_met": bool(fair_run["jain_per_window"])
+            and min_jain >= TARGETS["weighted_jain_min"],
+        },
+        "fair / fifo output throughput >= 0.95": {
+            "value": ratio,
+            "target": TARGETS["fair_over_fifo_throughput_min"],
+            "is_met": ratio >= TARGETS["fair_over_fifo_throughput_min"],
+        },
+    }
+    return report
+
+
+def _weighted_service(grouped: dict[str, list[RequestResult]], weights: dict[str, int]) -> dict:
+    """Token service per tenant while every tenant is backlogged, overall and per window.
+
+    A tenant is backlogged until its last request starts (its first token); service counts
+    output tokens when they arrive and prompt tokens when the first output token does.
+    """
+    start_s = min(r.start_s for rs in grouped.values() for r in rs)
+    end_s = min(max(r.chunk_times_s[0] for r in rs if r.chunk_times_s) for rs in grouped.values())
+    events = {
+        tenant: [(r.chunk_times_s[0], r.num_prompt_tokens) for r in rs if r.chunk_times_s]
+        + [(t, 1) for r in rs for t in r.chunk_times_s]
+        for tenant, rs in grouped.items()
+    }
+
+    def served(tenant: str, lo_s: float, hi_s: float) -> float:
+        return float(sum(n for t, n in events[tenant] if lo_s <= t < hi_s))
+
+    total = {tenant: served(tenant, start_s, end_s) for tenant in grouped}
+    total_weight = sum(weights[t] for t in grouped)
+    all_service = sum(total.values()) or 1.0
+    share_error = {t: (total[t] / all_service) / (weights[t] / total_weight) - 1.0 for t in grouped}
+    windows = []
+    for lo_s in np.arange(start_s, end_s - WINDOW_S + 1e-9, WINDOW_S):
+        normalised = [served(t, lo_s, lo_s + WINDOW_S) / weights[t] for t in grouped]
+        windows.append(jain_index(normalised))
+    return {
+        "backlogged_s": end_s - start_s,
+        "tokens_served": total,
+        "share_error": share_error,
+        "jain_per_window": windows,
+    }
+
+
+def jain_index(values: list[float]) -> float:
+    """Jain's fairness index: (sum x)^2 / (n * sum x^2); 1.0 when all are equal."""
+    squares = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
