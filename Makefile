@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint venv clean
+.PHONY: run test test-fast lint venv clean test-tools chromium promtool
 
 venv: $(VENV)/.installed
 
@@ -27,11 +27,33 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: venv
 	$(VENV)/bin/llmfleet up
 
-test: venv
+test: venv test-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: venv
+test-fast: venv test-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Tools some tests drive, from Debian's packages; each step runs only where the tool is missing,
+# and a machine without apt (or root) goes on: those tests then skip, saying why.
+test-tools: chromium promtool
+
+# Headless Chromium for the /dashboard test (about 35 s to install, once).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get install -y -q chromium >/dev/null 2>&1 \
+			|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; }; } \
+		|| echo "chromium not installed: the dashboard test will be skipped"
+
+# promtool for the alert rules, taken out of Debian's prometheus package into the venv
+# (installing the package would also start a Prometheus server where systemd runs).
+promtool: venv
+	@test -x $(VENV)/bin/promtool || command -v promtool >/dev/null 2>&1 || { \
+		tmp=$$(mktemp -d) && cd $$tmp \
+		&& { apt-get download -q prometheus >/dev/null 2>&1 \
+			|| { apt-get update -q >/dev/null && apt-get download -q prometheus >/dev/null; }; } \
+		&& dpkg-deb -x prometheus_*.deb x && cp x/usr/bin/promtool $(abspath $(VENV))/bin/promtool \
+		&& cd / && rm -rf $$tmp; } \
+		|| echo "promtool not installed: the promtool checks of infra/prometheus will be skipped"
 
 lint: venv
 	$(VENV)/bin/ruff check .

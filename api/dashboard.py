@@ -1,0 +1,76 @@
+"""`/dashboard`: a live status page for operators, and `/dashboard/data`, the JSON it polls.
+
+The page (`api/static/dashboard.html`: plain `<canvas>` charts, no script from elsewhere) is a
+shell without data, so anyone may load it; every figure comes from `/dashboard/data`, which
+needs the admin key as `Authorization: Bearer`. The page asks for the key once per browser
+tab and keeps it in sessionStorage, or takes it from the URL fragment (`/dashboard#key=...`:
+browsers never send a fragment to the server, so the key stays out of access logs).
+
+The data is the fleet snapshot (`shared/fleet.py`), the one `/metrics` and `llmfleet status`
+read. The page keeps the history for its charts itself, one point per poll.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from api.admin import _admin_ctx as admin_ctx  # the same check as the admin API
+from shared import fleet
+from shared.fleet import FleetSnapshot, ModelSnapshot
+from shared.latency_window import DEFAULT_WINDOW_S, LatencySummary
+
+PAGE_PATH = Path(__file__).parent / "static" / "dashboard.html"
+
+
+async def page(_request: Request) -> Response:
+    return FileResponse(PAGE_PATH, media_type="text/html", headers={"Cache-Control": "no-store"})
+
+
+async def data(request: Request) -> Response:
+    ctx = admin_ctx(request)
+    snapshot = await fleet.snapshot(ctx.redis, ctx.engine, DEFAULT_WINDOW_S)
+    return JSONResponse(snapshot_json(snapshot, DEFAULT_WINDOW_S))
+
+
+def snapshot_json(snapshot: FleetSnapshot, window_s: float) -> dict:
+    return {
+        "taken_at_s": snapshot.taken_at_s,
+        "window_s": window_s,
+        "models": [_model_json(snapshot, snap) for snap in snapshot.models.values()],
+    }
+
+
+def _model_json(snapshot: FleetSnapshot, snap: ModelSnapshot) -> dict:
+    queues = [
+        {
+            **asdict(q),
+            "tenant": snapshot.tenant_name(q.tenant_id),
+            "num_undelivered": q.num_undelivered,
+        }
+        for q in snap.queues
+    ]
+    return {
+        "model": snap.model,
+        "kv_cache_usage": snap.kv_cache_usage,
+        "batch_occupancy": snap.batch_occupancy,
+        "num_queued": snap.num_queued,
+        "ttft_s": _latency_json(snap.ttft),
+        "itl_s": _latency_json(snap.itl),
+        "queues": queues,
+        "workers": [asdict(w) for w in snap.workers],
+    }
+
+
+def _latency_json(summary: LatencySummary) -> dict:
+    return {"p50": summary.p50_s, "p99": summary.p99_s, "num_samples": summary.num_samples}
+
+
+routes = [
+    Route("/dashboard", page, methods=["GET"]),
+    Route("/dashboard/data", data, methods=["GET"]),
+]

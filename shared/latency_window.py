@@ -1,0 +1,83 @@
+"""A rolling window of recent latency samples per model in Redis, for live percentiles.
+
+Workers push their TTFT and inter-token-latency samples (`llmfleet:latency:{model}:{kind}`,
+a list of `"<unix_s> <value_s>"`, newest first) about once a second; the list is capped at
+`MAX_NUM_SAMPLES` and expires when no worker has written for `EXPIRY_S`. `/dashboard` and
+`llmfleet status` read the samples of the last `window_s` and take p50 and p99.
+
+Why not the Prometheus histograms: those live in each worker's process and need a Prometheus
+server to merge; this needs only Redis, gives every reader the same fleet-wide figures, and
+costs one LPUSH per worker per second. The price: a window of at most `MAX_NUM_SAMPLES` per
+kind (at high token rates the ITL window is the last few seconds, uniformly thinned per push),
+and percentiles exact over that sample, not the whole traffic.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from shared import keys
+
+KINDS = ("ttft", "itl")
+MAX_NUM_SAMPLES = 2000
+MAX_NUM_SAMPLES_PER_PUSH = 500
+EXPIRY_S = 3600
+DEFAULT_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    at_s: float  # unix time the sample was taken
+    value_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    num_samples: int
+    p50_s: float | None
+    p99_s: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> LatencySummary:
+        """p50 and p99 with linear interpolation (numpy's default); None without samples."""
+        if not values:
+            return cls(0, None, None)
+        if len(values) == 1:
+            return cls(1, values[0], values[0])
+        cuts = statistics.quantiles(values, n=100, method="inclusive")
+        return cls(len(values), cuts[49], cuts[98])
+
+
+async def push(redis: aioredis.Redis, model: str, kind: str, samples: Sequence[Sample]) -> None:
+    if not samples:
+        return
+    stride = -(-len(samples) // MAX_NUM_SAMPLES_PER_PUSH)  # ceil: thin evenly when too many
+    key = keys.latency_samples(model, kind)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.lpush(key, *(f"{s.at_s:.3f} {s.value_s:.6f}" for s in samples[::stride]))
+        pipe.ltrim(key, 0, MAX_NUM_SAMPLES - 1)
+        pipe.expire(key, EXPIRY_S)
+        await pipe.execute()
+
+
+async def summarize(
+    redis: aioredis.Redis, model: str, kind: str, window_s: float = DEFAULT_WINDOW_S
+) -> LatencySummary:
+    """p50 and p99 over the samples of the last `window_s`."""
+    raw = await redis.lrange(keys.latency_samples(model, kind), 0, -1)
+    return summarize_raw(raw, time.time() - window_s)
+
+
+def summarize_raw(raw: Sequence[bytes | str], since_s: float) -> LatencySummary:
+    values = []
+    for item in raw:
+        at_s, _, value_s = (item.decode() if isinstance(item, bytes) else item).partition(" ")
+        # Not a break at the first old sample: pushes of several workers interleave.
+        if float(at_s) >= since_s:
+            values.append(float(value_s))
+    return LatencySummary.of(values)

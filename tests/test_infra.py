@@ -1,0 +1,126 @@
+"""`infra/`: the Prometheus config and rules (promtool, when installed: `make test` installs
+it), the Grafana dashboard and the KEDA example, all checked against the metrics llmfleet
+defines."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
+from shared.latency_window import LatencySummary
+from shared.metrics import ApiMetrics, FleetCollector, WorkerMetrics
+
+INFRA = Path(__file__).resolve().parent.parent / "infra"
+PROMETHEUS = INFRA / "prometheus"
+SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
+
+
+def _defined_metrics() -> set[str]:
+    """Every series name llmfleet exports, as PromQL sees it."""
+    none = LatencySummary(0, None, None)
+    snap = ModelSnapshot(
+        "m", [QueueState("t", 1, 0, 1)], [WorkerState("w", "m", "ready", 0)], none, none
+    )
+    families = [
+        *WorkerMetrics().registry.collect(),
+        *ApiMetrics().registry.collect(),
+        *FleetCollector(FleetSnapshot(0.0, {"m": snap})).collect(),
+    ]
+    names = set()
+    for family in families:
+        names.add(family.name)
+        names.update(family.name + suffix for suffix in SUFFIXES.get(family.type, ()))
+    return names
+
+
+def _series_names(expr: str) -> set[str]:
+    """Metric and recording-rule names an expression reads (quoted label values dropped)."""
+    unquoted = re.sub(r'"[^"]*"', '""', expr)
+    return {t for t in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", unquoted) if "llmfleet" in t}
+
+
+def _rules() -> list[dict]:
+    groups = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_rules_read_only_metrics_that_exist():
+    known = _defined_metrics() | {r["record"] for r in _rules() if "record" in r}
+    alerts = [r for r in _rules() if "alert" in r]
+    for rule in _rules():
+        assert _series_names(rule["expr"]) <= known, rule
+    assert {a["labels"]["severity"] for a in alerts} <= {"page", "warning"}
+    assert all(a["annotations"]["summary"] for a in alerts)
+    # the seed's table, one alert each
+    assert {
+        "LlmfleetTTFTP99AboveTarget",
+        "LlmfleetITLP99Rising",
+        "LlmfleetBatchUtilisationLow",
+        "LlmfleetKVCachePressure",
+        "LlmfleetTenantQueueGrowingFaster",
+    } <= {a["alert"] for a in alerts}
+
+
+def test_scrape_config_names_the_rules_and_both_jobs():
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    assert {job["job_name"] for job in config["scrape_configs"]} == {
+        "llmfleet-api",
+        "llmfleet-worker",
+    }
+
+
+def test_grafana_dashboard_queries_metrics_that_exist():
+    dashboard = json.loads((INFRA / "grafana" / "llmfleet-dashboard.json").read_text())
+    known = _defined_metrics()
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 16
+    for expr in exprs:
+        assert _series_names(expr) and _series_names(expr) <= known, expr
+    titles = " ".join(panel["title"] for panel in dashboard["panels"])
+    for figure in ["Queue depth", "first token", "Inter-token", "KV-cache", "Batch occupancy"]:
+        assert figure in titles
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_keda_scales_workers_on_queue_depth():
+    scaled = yaml.safe_load((INFRA / "keda" / "scaledobject.yaml").read_text())
+    assert scaled["kind"] == "ScaledObject" and scaled["apiVersion"].startswith("keda.sh/")
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert _series_names(trigger["metadata"]["query"]) == {"llmfleet_queue_depth"}
+    assert int(trigger["metadata"]["threshold"]) > 0
+
+
+def _promtool() -> str | None:
+    return shutil.which("promtool") or shutil.which(
+        "promtool", path=str(Path(sys.executable).parent)
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "alerts.yml"],
+        ["test", "rules", "alerts_test.yml"],
+    ],
+    ids=["check-config", "check-rules", "test-rules"],
+)
+def test_promtool(args):
+    promtool = _promtool()
+    if promtool is None:
+        pytest.skip("promtool not installed (`make promtool` extracts it from Debian's prometheus)")
+    result = subprocess.run(
+        [promtool, *args], cwd=PROMETHEUS, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
