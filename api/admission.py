@@ -23,6 +23,7 @@ from api.errors import bad_request, model_not_found, rate_limited
 from api.schemas import ChatBody, CompletionBody, GenerationBody
 from shared import deployments, quota
 from shared.protocol import QueuedRequest, SamplingParams
+from shared.settings import Settings
 from shared.tables import ModelDeployment
 from shared.tenants import Principal, TenantLimits
 
@@ -79,7 +80,7 @@ async def _admit(
     await _check_kv_capacity(ctx, deployment, len(prompt_ids), max_tokens)
     _check_tokens_per_minute(principal.limits, num_tokens)
     _check_stop(ctx, body.stop_strings)
-    queued = _queued(principal, deployment, body, kind, prompt_ids, max_tokens)
+    queued = _queued(ctx.settings, principal, deployment, body, kind, prompt_ids, max_tokens)
     await _reserve(ctx, principal.limits, queued)
     return queued
 
@@ -187,6 +188,7 @@ def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
 
 
 def _queued(
+    settings: Settings,
     principal: Principal,
     deployment: ModelDeployment,
     body: GenerationBody,
@@ -196,6 +198,7 @@ def _queued(
 ) -> QueuedRequest:
     assert deployment.id is not None
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    now_s = time.time()
     return QueuedRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         tenant_id=principal.tenant_id,
@@ -215,7 +218,9 @@ def _queued(
             stop_token_ids=tuple(body.stop_token_ids),
             ignore_eos=body.ignore_eos,
         ),
-        arrival_ts=time.time(),
+        arrival_ts=now_s,
+        queue_deadline_ts=now_s + settings.request_queue_timeout_s,
+        deadline_ts=now_s + settings.request_timeout_s,
     )
 
 

@@ -10,11 +10,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api import admin
+from api import admin, dashboard, metrics
 from api.context import ApiContext, KVCapacity, TokenizerCache
 from api.errors import APIError
 from api.routes import routes
 from shared.db import create_schema, make_engine
+from shared.journal import Journal
+from shared.metrics import ApiMetrics
 from shared.redis_conn import async_client
 from shared.settings import Settings, get_settings
 
@@ -29,22 +31,27 @@ def create_app(settings: Settings | None = None) -> Starlette:
         engine = make_engine(settings)
         create_schema(engine)
         redis = async_client(settings.redis_url)
-        ctx = ApiContext(settings, engine, redis, TokenizerCache(settings), KVCapacity(redis))
+        journal = Journal(redis, settings.journal_ttl_s)
+        ctx = ApiContext(
+            settings, engine, redis, TokenizerCache(settings), KVCapacity(redis), journal
+        )
         try:
-            yield {"ctx": ctx}
+            yield {"ctx": ctx, "metrics": ApiMetrics()}
         finally:
             await redis.aclose()
             engine.dispose()
 
     return Starlette(
-        routes=[*routes, *admin.routes],
+        routes=[*routes, *admin.routes, *metrics.routes, *dashboard.routes],
         lifespan=lifespan,
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _crash},
     )
 
 
-async def _api_error(_request: Request, exc: Exception) -> Response:
+async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    if (api_metrics := getattr(request.state, "metrics", None)) is not None:
+        api_metrics.count_rejection(exc.status_code, exc.code, exc.type)
     return exc.response()
 
 

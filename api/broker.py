@@ -1,20 +1,32 @@
-"""The API's side of Redis: subscribe to a request's channel, then enqueue it on its tenant's stream.
+"""The API's side of Redis: subscribe to a request's channel, then enqueue it on its tenant's
+stream; then read its events, whole and in order, whatever pub/sub drops.
 
 Subscribing first is what makes the hand-off safe: pub/sub delivers only to listeners
-present at PUBLISH time, so the confirmation of SUBSCRIBE is awaited before XADD; no
-token can be published before someone listens.
+present at PUBLISH time, so the confirmation of SUBSCRIBE is awaited before XADD.
+
+Pub/sub is at most once, so events are also read from the request's journal
+(`shared/journal.py`): at the start (a resumed stream catches up), on a gap in `seq`, and
+whenever the channel has been silent for `stream_idle_check_s`. A silent request whose
+worker stopped heartbeating after it had started generating is ended here with
+`worker_lost` (`shared/recovery.py`), so a stream ends even when no other worker is left to
+notice.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
+from sqlalchemy.engine import Engine
 
-from shared import keys
+from shared import keys, recovery
+from shared.journal import Journal
+from shared.logs import bind_request
 from shared.protocol import (
     ErrorEvent,
     FinalEvent,
@@ -25,56 +37,199 @@ from shared.protocol import (
 )
 
 SUBSCRIBE_TIMEOUT_S = 5.0
+Event = TokenEvent | FinalEvent | ErrorEvent
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a reader of a request's events needs; stored in Redis when it is enqueued."""
+
+    request_id: str
+    tenant_id: str
+    model: str
+    kind: str
+    created: int
+
+    @classmethod
+    def of(cls, request: QueuedRequest) -> RequestInfo:
+        return cls(
+            request.request_id,
+            request.tenant_id,
+            request.model,
+            request.kind,
+            int(request.arrival_ts),
+        )
 
 
 @dataclass
 class Subscription:
-    """A request's event channel, subscribed before the request was enqueued."""
+    """A request's event channel, subscribed before the request was enqueued (or before its
+    journal is read, for a resumed stream)."""
 
-    request: QueuedRequest
+    info: RequestInfo
     pubsub: PubSub
     redis: aioredis.Redis
+    journal: Journal
+    db: Engine
+    idle_check_s: float
+    next_seq: int = 0
     is_finished: bool = False
+    _silent_since_s: float = field(default_factory=time.monotonic)
 
-    async def events(self) -> AsyncIterator[TokenEvent | FinalEvent | ErrorEvent]:
-        """Token events, then exactly one final or error event."""
-        async for message in self.pubsub.listen():
-            if message["type"] != "message":
-                continue
-            event = decode_event(message["data"])
-            if not isinstance(event, TokenEvent):
-                self.is_finished = True
-            yield event
+    async def events(self) -> AsyncIterator[Event]:
+        """Token events from `next_seq` on, then exactly one final or error event."""
+        for event in await self.journal.read_after(self.info.request_id, self.next_seq - 1):
+            if (done := self._accept(event)) is not None:
+                yield done
             if self.is_finished:
                 return
+        while not self.is_finished:
+            message = await self.pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=self.idle_check_s
+            )
+            for event in await self._after(message):
+                if (accepted := self._accept(event)) is not None:
+                    yield accepted
+                if self.is_finished:
+                    return
+
+    async def _after(self, message: dict | None) -> list[Event]:
+        """The events to hand out after a pub/sub message, or after silence."""
+        if message is None or message["type"] != "message":
+            return await self._after_silence()
+        self._silent_since_s = time.monotonic()
+        event = decode_event(message["data"])
+        if event.seq <= self.next_seq:
+            return [event]
+        # A gap: what pub/sub dropped is in the journal (the event itself is there too).
+        return await self.journal.read_after(self.info.request_id, self.next_seq - 1)
+
+    async def _after_silence(self) -> list[Event]:
+        events = await self.journal.read_after(self.info.request_id, self.next_seq - 1)
+        if events or time.monotonic() - self._silent_since_s < self.idle_check_s:
+            return events
+        await self._end_if_stuck()
+        self._silent_since_s = time.monotonic()
+        return await self.journal.read_after(self.info.request_id, self.next_seq - 1)
+
+    def _accept(self, event: Event) -> Event | None:
+        if event.seq < self.next_seq:
+            return None  # seen already (from the journal, then from pub/sub)
+        self.next_seq = event.seq + 1
+        if not isinstance(event, TokenEvent):
+            self.is_finished = True
+        return event
+
+    async def _end_if_stuck(self) -> None:
+        """End the request if it started and its worker stopped heartbeating
+        (`worker_lost`), or if it never started and its queue deadline passed
+        (`queue_timeout`, for when no worker is there to say so)."""
+        meta = await self.journal.meta(self.info.request_id)
+        if await self.journal.last_seq(self.info.request_id) < 0:
+            queue_deadline_ts = float(meta.get("queue_deadline_ts", "inf"))
+            if time.time() <= queue_deadline_ts:
+                return  # waiting; a live worker will reclaim it if its puller died
+            code, message = "queue_timeout", "the request waited past its queue deadline"
+        else:
+            owner = meta.get("owner")
+            if owner is None or await self.redis.exists(keys.worker_heartbeat(owner)):
+                return  # its worker is alive
+            code, message = "worker_lost", "the worker generating this request stopped"
+        entry = (meta["stream"], meta["entry_id"])
+        request = await _queued_request(self.redis, *entry)
+        if request is None:
+            return  # acknowledged meanwhile: its end is in the journal
+        await recovery.end_lost(
+            self.redis,
+            self.journal,
+            self.db,
+            request,
+            entry,
+            claimer=f"api-{os.getpid()}",
+            code=code,
+            message=message,
+        )
 
     async def cancel(self) -> None:
         """Tell the worker serving the model that the client went away."""
         await self.redis.publish(
-            keys.cancel_channel(self.request.model), encode_cancel(self.request.request_id)
+            keys.cancel_channel(self.info.model), encode_cancel(self.info.request_id)
         )
 
-    async def close(self) -> None:
+    async def close(self, *, cancel_if_unfinished: bool = True) -> None:
         # Shielded: this runs while a disconnected stream is being cancelled.
         with anyio.CancelScope(shield=True):
-            if not self.is_finished:
+            if cancel_if_unfinished and not self.is_finished:
                 await self.cancel()
             await self.pubsub.aclose()
 
 
-async def submit(redis: aioredis.Redis, request: QueuedRequest) -> Subscription:
-    pubsub = redis.pubsub()
+async def submit(
+    redis: aioredis.Redis, journal: Journal, db: Engine, request: QueuedRequest, idle_check_s: float
+) -> Subscription:
+    info = RequestInfo.of(request)
+    bind_request(info.request_id, info.tenant_id, info.model)
+    pubsub = await _subscribe(redis, info.request_id)
     try:
-        await pubsub.subscribe(keys.request_channel(request.request_id))
-        confirmation = await pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
-        if confirmation is None or confirmation["type"] != "subscribe":
-            raise RuntimeError("no SUBSCRIBE confirmation from Redis")
+        stream = keys.tenant_stream(request.model, request.tenant_id)
+        meta = keys.request_meta(request.request_id)
         async with redis.pipeline(transaction=True) as pipe:
             pipe.sadd(keys.model_tenants(request.model), request.tenant_id)
-            pipe.xadd(keys.tenant_stream(request.model, request.tenant_id), request.to_fields())
-            await pipe.execute()
+            pipe.xadd(stream, request.to_fields())
+            fields = {**_info_fields(info), "stream": stream}
+            if request.queue_deadline_ts is not None:
+                fields["queue_deadline_ts"] = str(request.queue_deadline_ts)
+            pipe.hset(meta, mapping=fields)
+            pipe.expire(meta, journal.ttl_s)
+            _, entry_id, _, _ = await pipe.execute()
+        await redis.hset(meta, "entry_id", entry_id)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await pubsub.aclose()
         raise
-    return Subscription(request=request, pubsub=pubsub, redis=redis)
+    return Subscription(info, pubsub, redis, journal, db, idle_check_s)
+
+
+async def resume(
+    redis: aioredis.Redis, journal: Journal, db: Engine, request_id: str, tenant_id: str,
+    next_seq: int, idle_check_s: float,
+) -> Subscription | None:  # fmt: skip
+    """Follow a request's events from `next_seq` (a reconnecting client); None if the
+    request is unknown, expired or another tenant's."""
+    meta = await journal.meta(request_id)
+    if meta.get("tenant_id") != tenant_id:
+        return None
+    info = RequestInfo(request_id, tenant_id, meta["model"], meta["kind"], int(meta["created"]))
+    bind_request(info.request_id, info.tenant_id, info.model)
+    pubsub = await _subscribe(redis, request_id)
+    return Subscription(info, pubsub, redis, journal, db, idle_check_s, next_seq=next_seq)
+
+
+async def _subscribe(redis: aioredis.Redis, request_id: str) -> PubSub:
+    pubsub = redis.pubsub()
+    try:
+        await pubsub.subscribe(keys.request_channel(request_id))
+        confirmation = await pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
+        if confirmation is None or confirmation["type"] != "subscribe":
+            raise RuntimeError("no SUBSCRIBE confirmation from Redis")
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await pubsub.aclose()
+        raise
+    return pubsub
+
+
+def _info_fields(info: RequestInfo) -> dict[str, str]:
+    return {
+        "tenant_id": info.tenant_id,
+        "model": info.model,
+        "kind": info.kind,
+        "created": str(info.created),
+    }
+
+
+async def _queued_request(
+    redis: aioredis.Redis, stream: str, entry_id: str
+) -> QueuedRequest | None:
+    entries = await redis.xrange(stream, min=entry_id, max=entry_id)
+    return QueuedRequest.from_fields(entries[0][1]) if entries else None

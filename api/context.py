@@ -11,6 +11,7 @@ from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
 from shared import keys, model_source
+from shared.journal import Journal
 from shared.settings import Settings
 from shared.tables import ModelDeployment
 
@@ -65,3 +66,4 @@ class ApiContext:
     redis: aioredis.Redis
     tokenizers: TokenizerCache
     kv_capacity: KVCapacity
+    journal: Journal

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from api import admission, broker
 from api.auth import authenticate
 from api.context import ApiContext
-from api.errors import not_found
+from api.errors import bad_request, not_found
 from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body, read_body
 from api.streaming import chunk_format, collect, sse_events
 from shared import deployments, quota
@@ -60,7 +60,9 @@ async def _respond(ctx: ApiContext, queued: QueuedRequest, body: GenerationBody)
 async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription:
     """Enqueue an admitted request; if that fails, give back the slots and tokens it took."""
     try:
-        return await broker.submit(ctx.redis, queued)
+        return await broker.submit(
+            ctx.redis, ctx.journal, ctx.engine, queued, ctx.settings.stream_idle_check_s
+        )
     except BaseException:
         # Shielded: a handler cancelled mid-enqueue must still release its admission.
         with anyio.CancelScope(shield=True):
@@ -70,6 +72,43 @@ async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription
                 # Redis is likely down too; the slots expire after `request_max_lifetime_s`.
                 log.exception("could not release the admission of %s", queued.request_id)
         raise
+
+
+async def request_events(request: Request) -> Response:
+    """Resume a request's stream: the events after `Last-Event-ID` (header, or the
+    `last_event_id` query parameter), then the live ones, on any API replica."""
+    ctx = _ctx(request)
+    principal = await authenticate(request, ctx)
+    request_id = request.path_params["request_id"]
+    last_event_id = request.headers.get("last-event-id", request.query_params.get("last_event_id"))
+    next_seq = _next_seq(last_event_id)
+    subscription = await broker.resume(
+        ctx.redis,
+        ctx.journal,
+        ctx.engine,
+        request_id,
+        principal.tenant_id,
+        next_seq,
+        ctx.settings.stream_idle_check_s,
+    )
+    # Another tenant's request and one that does not exist (or expired) look the same.
+    if subscription is None:
+        raise not_found(f"No stream for request `{request_id}`.")
+    include_usage = request.query_params.get("include_usage", "false").lower() == "true"
+    fmt = chunk_format(subscription, subscription.info.model, include_usage)
+    return EventSourceResponse(
+        sse_events(subscription, fmt),
+        headers={"X-Request-Id": request_id},
+        ping=ctx.settings.stream_keepalive_s,
+    )
+
+
+def _next_seq(last_event_id: str | None) -> int:
+    if last_event_id is None:
+        return 0
+    if not last_event_id.isdigit():
+        raise bad_request("Last-Event-ID must be the `id` of an event of this stream.")
+    return int(last_event_id) + 1
 
 
 async def list_models(request: Request) -> Response:
@@ -126,5 +165,6 @@ routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/requests/{request_id}/usage", request_usage, methods=["GET"]),
+    Route("/v1/requests/{request_id}/events", request_events, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from api.broker import Subscription
 from api.errors import APIError
-from shared.protocol import ErrorEvent, FinalEvent, Usage
+from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,34 +52,49 @@ class ChunkFormat:
 
 
 def chunk_format(subscription: Subscription, model: str, include_usage: bool) -> ChunkFormat:
-    request = subscription.request
+    info = subscription.info
     return ChunkFormat(
-        request_id=request.request_id,
+        request_id=info.request_id,
         model=model,
-        is_chat=request.kind == "chat",
+        is_chat=info.kind == "chat",
         include_usage=include_usage,
-        created=int(request.arrival_ts),
+        created=info.created,
     )
 
 
 async def sse_events(subscription: Subscription, fmt: ChunkFormat) -> AsyncIterator[dict]:
-    """SSE events for sse-starlette; always ends with `[DONE]`, after an error event if one came."""
-    is_first = True
+    """SSE events for sse-starlette; always ends with `[DONE]`, after an error event if one came.
+
+    The last SSE event made from each worker event carries its `seq` as `id:`, so a client
+    that reconnects with `Last-Event-ID` resumes right after it (`GET
+    /v1/requests/{id}/events`)."""
+    is_first = subscription.next_seq == 0
     try:
         async for event in subscription.events():
+            chunks = _chunks(event, fmt, is_first=is_first)
+            for i, data in enumerate(chunks):
+                is_last = i == len(chunks) - 1
+                yield {"data": json.dumps(data), **({"id": str(event.seq)} if is_last else {})}
+            is_first = is_first and not chunks
             if isinstance(event, ErrorEvent):
-                yield {"data": json.dumps(_error_json(event))}
                 break
-            finish_reason = event.finish_reason if isinstance(event, FinalEvent) else None
-            if event.text or finish_reason is not None:
-                data = fmt.content(event.text, finish_reason, is_first=is_first)
-                yield {"data": json.dumps(data)}
-                is_first = False
-            if isinstance(event, FinalEvent) and fmt.include_usage:
-                yield {"data": json.dumps(fmt.usage(event.usage))}
         yield {"data": "[DONE]"}
     finally:
         await subscription.close()
+
+
+def _chunks(
+    event: TokenEvent | FinalEvent | ErrorEvent, fmt: ChunkFormat, *, is_first: bool
+) -> list[dict]:
+    if isinstance(event, ErrorEvent):
+        return [_error_json(event)]
+    chunks = []
+    finish_reason = event.finish_reason if isinstance(event, FinalEvent) else None
+    if event.text or finish_reason is not None:
+        chunks.append(fmt.content(event.text, finish_reason, is_first=is_first))
+    if isinstance(event, FinalEvent) and fmt.include_usage:
+        chunks.append(fmt.usage(event.usage))
+    return chunks
 
 
 async def collect(subscription: Subscription, fmt: ChunkFormat) -> dict:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
+import shutil
 import signal
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,8 +24,23 @@ app.add_typer(model_app, name="model")
 app.command("bench")(bench_command)
 
 
-def _setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging() -> None:
+    from shared import logs
+
+    settings = get_settings()
+    logs.setup(settings.log_level, settings.log_format)
+
+
+def _use_prometheus_multiprocess(home: Path, port: int) -> None:
+    """Point prometheus_client's multiprocess mode at a fresh directory, so that /metrics on
+    any uvicorn worker sums the counters of all of them. It must be set before
+    prometheus_client is first imported (it picks its value store then), hence here."""
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        return  # the operator's choice; clearing it between runs is theirs too
+    path = home / "metrics" / f"api-{port}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
 
 
 def _db():
@@ -56,14 +73,19 @@ def api(
     """Run the HTTP API (uvicorn)."""
     import uvicorn
 
+    from shared import logs
+
     settings = get_settings()
+    port = port or settings.api_port
+    _use_prometheus_multiprocess(settings.home, port)
     uvicorn.run(
         "api.app:create_app",
         factory=True,
         host=host or settings.api_host,
-        port=port or settings.api_port,
+        port=port,
         workers=workers,
-        log_level="info",
+        log_config=logs.logging_config(settings.log_level, settings.log_format),
+        log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=10,
     )
 
@@ -92,6 +114,12 @@ def worker(
     dtype: Annotated[
         str, typer.Option(help="auto (bf16 on GPUs and AMX CPUs, else fp32) | float32 | bfloat16")
     ] = "auto",
+    metrics_port: Annotated[
+        int, typer.Option(help="Port of the worker's Prometheus /metrics; 0 = none.")
+    ] = 9300,
+    metrics_host: Annotated[
+        str, typer.Option(help="Address /metrics listens on (0.0.0.0 in a container).")
+    ] = "127.0.0.1",
 ) -> None:
     """Run a worker that serves one model deployment."""
     from shared import deployments
@@ -117,8 +145,12 @@ def worker(
         kv_cache_gb=kv_cache_gb,
         queueing=queueing,
         quantum_tokens=quantum_tokens,
+        fault_token_id=get_settings().fault_token_id,
     )
-    service = Worker(get_settings(), engine, deployment, WorkerConfig(engine_config, device, dtype))
+    config = WorkerConfig(
+        engine_config, device, dtype, metrics_port=metrics_port, metrics_host=metrics_host
+    )
+    service = Worker(get_settings(), engine, deployment, config)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -348,6 +380,18 @@ def _tenant_id(engine, name: str) -> str:
 
 def _when(moment) -> str | None:
     return None if moment is None else moment.strftime("%Y-%m-%dT%H:%M:%SZ")  # stored in UTC
+
+
+@app.command()
+def status(
+    window_s: Annotated[
+        float, typer.Option(help="TTFT and ITL percentiles over the last WINDOW_S seconds.")
+    ] = 60.0,
+) -> None:
+    """Workers, queues per tenant, KV-cache usage, batch occupancy, TTFT and ITL p50/p99."""
+    from shared.status import print_status
+
+    print_status(get_settings(), _db(), window_s)
 
 
 @app.command("admin-key")

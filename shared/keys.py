@@ -14,6 +14,17 @@ Layout (all under the `llmfleet:` prefix):
 - `llmfleet:queued:{tenant}`      sorted set: request id -> expiry (unix s); admitted, not pulled.
 - `llmfleet:buckets:{tenant}`     hash with a TTL: the tenant's requests- and tokens-per-minute
                                   token buckets (`shared/quota.py`).
+- `llmfleet:events:{request_id}`  stream with a TTL: the request's journal, every event in order,
+                                  entry id `0-{seq + 1}` (`shared/journal.py`).
+- `llmfleet:done:{request_id}`    string with a TTL: set with the journal's terminal event; no
+                                  event is appended after it.
+- `llmfleet:dead:{model}`         stream (capped): requests dead-lettered because the model
+                                  failed on them alone, with the error, for operators.
+- `llmfleet:request:{request_id}` hash with a TTL: tenant, model, kind, created, and the worker
+                                  that owns it once pulled; resume and recovery read it.
+- `llmfleet:latency:{model}:{kind}` list: a model's latest TTFT or ITL samples (`kind` = `ttft` or
+                                  `itl`), newest first, capped; workers write, `/dashboard` and
+                                  `llmfleet status` read (`shared/latency_window.py`).
 """
 
 from __future__ import annotations
@@ -60,3 +71,23 @@ def tenant_queued(tenant: str) -> str:
 
 def tenant_buckets(tenant: str) -> str:
     return f"{PREFIX}:buckets:{tenant}"
+
+
+def latency_samples(model: str, kind: str) -> str:
+    return f"{PREFIX}:latency:{model}:{kind}"
+
+
+def request_events(request_id: str) -> str:
+    return f"{PREFIX}:events:{request_id}"
+
+
+def request_done(request_id: str) -> str:
+    return f"{PREFIX}:done:{request_id}"
+
+
+def request_meta(request_id: str) -> str:
+    return f"{PREFIX}:request:{request_id}"
+
+
+def dead_letter(model: str) -> str:
+    return f"{PREFIX}:dead:{model}"

@@ -42,6 +42,10 @@ class QueuedRequest(BaseModel):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_ts: float
+    # Unix times: not started by then, it fails with `queue_timeout` without using the GPU;
+    # not finished by then, it ends with finish reason `deadline`.
+    queue_deadline_ts: float | None = None
+    deadline_ts: float | None = None
 
     def to_fields(self) -> dict[str, str]:
         return {"body": self.model_dump_json()}
@@ -74,7 +78,7 @@ class FinalEvent(BaseModel):
     type: Literal["final"] = "final"
     seq: int
     text: str = ""
-    finish_reason: Literal["stop", "length", "cancelled"]
+    finish_reason: Literal["stop", "length", "cancelled", "deadline"]
     usage: Usage
 
 

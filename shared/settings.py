@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     # Bearer credential of the `/admin/v1` API. Without one, a random key is generated once
     # and kept in the home directory (development only); `llmfleet admin-key` prints it.
     admin_key: str | None = Field(default=None, min_length=16)
+    # Bearer credential Prometheus sends to the API's `/metrics` (which names tenants); unset,
+    # `/metrics` is open, as is usual on a network only the monitoring system reaches.
+    metrics_token: str | None = Field(default=None, min_length=16)
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
@@ -40,12 +43,31 @@ class Settings(BaseSettings):
     max_stop_strings: int = 4
     max_stop_string_chars: int = 64
     stream_keepalive_s: float = 15.0
+    # A request not started this long after admission fails with `queue_timeout` (no GPU
+    # used); one not finished this long after admission ends with finish reason `deadline`.
+    request_queue_timeout_s: float = 600.0
+    request_timeout_s: float = 1800.0
     # How long an admitted request may hold its tenant's in-flight and queued slots before
     # admission drops it as leaked (an API or worker that crashed never released it).
     request_max_lifetime_s: float = 3600.0
 
     worker_idle_poll_ms: int = 100
     worker_heartbeat_s: float = 2.0
+    # A worker silent this long is dead: its waiting requests go to others, its running ones
+    # end with `worker_lost`. Keep it a few heartbeats.
+    worker_heartbeat_timeout_s: float = 6.0
+    # SIGTERM: how long running requests may take to finish before they end `worker_shutdown`.
+    worker_drain_timeout_s: float = 30.0
+    # How long a request's journal (its events, for resume and recovery) outlives its last event.
+    journal_ttl_s: int = 3600
+    # An API stream that hears nothing this long checks the journal and the worker's heartbeat.
+    stream_idle_check_s: float = 1.0
+    # Fault injection, for the chaos tests only: a worker's model step fails whenever its
+    # input holds this token id (a "poison" prompt).
+    fault_token_id: int | None = None
+
+    log_level: str = "INFO"
+    log_format: str = "json"  # "json" (one object per line) | "text"
 
     @property
     def home(self) -> Path:

@@ -177,6 +177,7 @@ def _print_ready(console: Console, settings: Settings, key: str, model: str) -> 
     console.print(f"\n[bold green]llmfleet is up[/bold green] at [bold]{url}[/bold]")
     console.print(f"development API key: [bold]{key}[/bold]")
     console.print(f"admin key (/admin/v1): [bold]{escape(settings.admin_secret)}[/bold]")
+    console.print(f"status page: {url}/dashboard (asks for the admin key) · `llmfleet status`")
     console.print(f"logs: {settings.home / 'logs'}\n")
     console.print("try:")
     console.print(

@@ -10,14 +10,23 @@ from sqlmodel import select
 from shared.db import session_scope
 from shared.protocol import QueuedRequest
 from shared.tables import InferenceRequest, UsageRecord
-from worker.sequence import SequenceOutput
 
 _STATUS = {"stop": "completed", "length": "completed", "cancelled": "cancelled"}
 
 
-def record(engine: Engine, request: QueuedRequest, final: SequenceOutput) -> None:
-    """Insert-if-absent: a request delivered twice is recorded once."""
-    assert final.finish_reason is not None
+def record(
+    engine: Engine,
+    request: QueuedRequest,
+    *,
+    finish_reason: str,
+    num_output_tokens: int,
+    num_computed_tokens: int,
+) -> None:
+    """Insert-if-absent: a request delivered twice, or ended by two parties, is recorded once.
+
+    `finish_reason`: stop, length, cancelled (completed or cancelled requests), or error
+    (failed: refused, lost with its worker, poisoned); the output tokens are those delivered.
+    """
     with session_scope(engine) as session:
         existing = session.exec(
             select(UsageRecord.id).where(UsageRecord.request_id == request.request_id)
@@ -31,9 +40,9 @@ def record(engine: Engine, request: QueuedRequest, final: SequenceOutput) -> Non
                 deployment_id=request.deployment_id,
                 kind=request.kind,
                 sampling_json=request.sampling.model_dump_json(),
-                num_prompt_tokens=final.num_prompt_tokens,
-                status=_STATUS.get(final.finish_reason, "failed"),
-                finish_reason=final.finish_reason,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                status=_STATUS.get(finish_reason, "failed"),
+                finish_reason=finish_reason,
                 arrived_at=datetime.fromtimestamp(request.arrival_ts, UTC),
             )
         )
@@ -42,10 +51,10 @@ def record(engine: Engine, request: QueuedRequest, final: SequenceOutput) -> Non
                 request_id=request.request_id,
                 tenant_id=request.tenant_id,
                 deployment_id=request.deployment_id,
-                input_tokens=final.num_prompt_tokens,
-                output_tokens=final.num_output_tokens,
-                computed_tokens=final.num_computed_tokens,
-                finish_reason=final.finish_reason,
+                input_tokens=len(request.prompt_token_ids),
+                output_tokens=num_output_tokens,
+                computed_tokens=num_computed_tokens,
+                finish_reason=finish_reason,
             )
         )
         session.commit()

@@ -170,9 +170,11 @@ def start_worker(env, home, redis_server):
     """Factory: start a worker process for a model and wait until it reports ready."""
     started: list[subprocess.Popen] = []
 
-    def factory(model: str, *args: str) -> subprocess.Popen:
+    def factory(model: str, *args: str, env_overrides: dict[str, str] | None = None):
         log_path = home / f"worker-{model}-{len(started)}.log"
-        process = _spawn(["worker", "--model", model, *args], env, log_path)
+        # No /metrics port unless a test asks for one (in `args`, which come last and win).
+        worker_args = ["worker", "--model", model, "--metrics-port", "0", *args]
+        process = _spawn(worker_args, env | (env_overrides or {}), log_path)
         started.append(process)
         _wait_ready(redis_server.url, process, log_path)
         return process

@@ -38,11 +38,23 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def stream(url: str, path: str, key: str, body: dict, timeout_s: float = 120) -> SSEResult:
-    """POST with `stream: true` and parse every `data:` line of the SSE answer."""
+def stream(
+    url: str,
+    path: str,
+    key: str,
+    body: dict,
+    timeout_s: float = 120,
+    *,
+    method: str = "POST",
+    headers: dict[str, str] | None = None,
+) -> SSEResult:
+    """POST with `stream: true` (or GET, without a body) and parse every `data:` line of the
+    SSE answer."""
+    json_body = {**body, "stream": True} if method == "POST" else None
+    headers = auth(key) | (headers or {})
     with (
         httpx.Client(timeout=timeout_s) as client,
-        client.stream("POST", url + path, json={**body, "stream": True}, headers=auth(key)) as r,
+        client.stream(method, url + path, json=json_body, headers=headers) as r,
     ):
         result = SSEResult(r.status_code, r.headers)
         if r.status_code != 200:

@@ -122,3 +122,29 @@ def test_real_model_spot_check():
     assert engine.scheduler.num_preemptions > 0
     for i, (_, prompt, n) in enumerate(arrivals):
         assert outputs[f"r{i}"] == greedy_alone(loaded, prompt, n)
+
+
+def test_a_request_that_breaks_the_model_is_dead_lettered_and_spares_the_batch(tiny_loaded):
+    poison = 7777
+    arrivals = [
+        (0, list(range(1000, 1012)), 12),
+        (0, [1500, poison, 1501], 12),
+        (0, list(range(2000, 2009)), 12),
+        (1, list(range(3000, 3005)), 12),
+    ]
+    engine = _engine(tiny_loaded, num_blocks=64, block_size=4, max_num_seqs=4, budget=32)
+    engine._runner.fault_token_id = poison
+    seqs = {}
+    for i, (_, prompt, max_tokens) in enumerate(arrivals):
+        seqs[i] = make_sequence_for(make_request(i, prompt, max_tokens), CharDecoder())
+        assert engine.add(seqs[i]) is None
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    (dead,) = [o for o in outputs if o.error is not None]
+    assert dead.request_id == "r1" and dead.error.code == "model_error"
+    assert seqs[1].num_failures == engine.scheduler.config.max_step_failures
+    for i in (0, 2, 3):
+        _, prompt, n = arrivals[i]
+        assert seqs[i].output_token_ids == greedy_alone(tiny_loaded, prompt, n)
+    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_blocks

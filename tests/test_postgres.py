@@ -15,13 +15,11 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, select
 
-from shared import tenants
+from shared import tenants, usage
 from shared.db import create_schema
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import _with_psycopg_driver
 from shared.tables import ModelDeployment, UsageRecord
-from worker import usage
-from worker.sequence import SequenceOutput
 
 URL = _with_psycopg_driver(
     os.environ.get("DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/test"
@@ -66,9 +64,9 @@ def test_keys_and_usage_on_postgres(pg):
         sampling=SamplingParams(),
         arrival_ts=time.time(),
     )
-    final = SequenceOutput("cmpl-pg", "", 1, "length", 3, 16)
-    usage.record(pg, request, final)
-    usage.record(pg, request, final)  # a second delivery is a no-op
+    final = {"finish_reason": "length", "num_output_tokens": 16, "num_computed_tokens": 18}
+    usage.record(pg, request, **final)
+    usage.record(pg, request, **final)  # a second delivery is a no-op
     with Session(pg) as session:
         rows = session.exec(select(UsageRecord).where(UsageRecord.request_id == "cmpl-pg")).all()
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [(3, 16)]

@@ -119,3 +119,20 @@ def test_everything_finishes_and_every_block_returns_under_pressure():
     assert all(seq.num_output_tokens == seq.sampling.max_tokens for seq in seqs)
     assert s.kv_cache.num_free_blocks == 12
     assert s.num_preemptions > 0  # the pool was small enough to force some
+
+
+def test_deadlines_end_waiting_and_running_sequences_and_free_their_blocks():
+    s = _scheduler(max_num_seqs=1)
+    running, waiting = make_sequence(0, 4, 20), make_sequence(1, 4, 20)
+    running.deadline_s, waiting.queue_deadline_s = 100.0, 50.0
+    s.add(running)
+    s.add(waiting)
+    _run_step(s)
+    assert s.expire(now_s=10.0) == []
+    (queue_timeout,) = s.expire(now_s=60.0)
+    assert queue_timeout.request_id == "r1" and queue_timeout.error.code == "queue_timeout"
+    (deadline,) = s.expire(now_s=101.0)
+    assert (deadline.request_id, deadline.finish_reason) == ("r0", "deadline")
+    assert deadline.num_output_tokens == 1
+    assert not s.has_work()
+    assert s.kv_cache.num_free_blocks == s.kv_cache.num_blocks

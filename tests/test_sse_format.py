@@ -9,6 +9,8 @@ from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage
 
 
 class FakeSubscription:
+    next_seq = 0
+
     def __init__(self, events):
         self._events = events
         self.is_closed = False
@@ -70,3 +72,17 @@ async def test_a_stream_whose_only_event_is_final_still_carries_the_role():
     )
     assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "usage" not in out[0] and out[-1] == "[DONE]"
+
+
+async def test_the_last_sse_event_of_each_worker_event_carries_its_seq_as_id():
+    usage = Usage(prompt_tokens=3, completion_tokens=2)
+    events = [
+        TokenEvent(seq=0, text="a", num_tokens=1),
+        TokenEvent(seq=1, text="b", num_tokens=1),
+        FinalEvent(seq=2, text="c", finish_reason="length", usage=usage),
+    ]
+    sub = FakeSubscription(events)
+    out = [e async for e in sse_events(sub, _fmt(is_chat=False))]
+    # the final event makes two chunks (text, usage): only the second carries its id
+    assert [e.get("id") for e in out] == ["0", "1", None, "2", None]
+    assert out[-1]["data"] == "[DONE]"

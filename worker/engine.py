@@ -10,6 +10,7 @@ engine.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +25,8 @@ from worker.runner.padded_batch import PaddedBatch
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 
+log = logging.getLogger("llmfleet.worker")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -37,6 +40,8 @@ class EngineConfig:
     )
     gpu_memory_fraction: float = 0.85
     queueing: str = "fair"  # continuous batching: "fair" (tenants, tiers) | "fifo" (baseline)
+    # Fault injection for the chaos tests: a model step whose input holds this token id fails.
+    fault_token_id: int | None = None
     quantum_tokens: int = DEFAULT_QUANTUM_TOKENS  # fair queuing: tokens per round per weight
 
 
@@ -61,7 +66,9 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         scheduler = Scheduler(scheduler_config, kv_cache, FifoQueue(), LatestArrivalFirst())
     else:
         raise ValueError(f"unknown queueing {config.queueing!r}")
-    return ContinuousBatchingEngine(scheduler, ModelRunner(loaded, num_blocks, config.block_size))
+    runner = ModelRunner(loaded, num_blocks, config.block_size)
+    runner.fault_token_id = config.fault_token_id
+    return ContinuousBatchingEngine(scheduler, runner)
 
 
 class Engine(Protocol):
@@ -70,8 +77,16 @@ class Engine(Protocol):
         ...
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]: ...
+    def expire(self, now_s: float) -> list[SequenceOutput]:
+        """End the sequences whose deadlines passed."""
+        ...
+
     def num_free_slots(self) -> int: ...
     def num_waiting_by_tenant(self) -> Counter[str]: ...
+    def unstarted_request_ids(self) -> list[str]:
+        """Waiting requests that have produced nothing yet: safe to hand to another worker."""
+        ...
+
     def has_work(self) -> bool: ...
     def step(self) -> list[SequenceOutput]: ...
     def stats(self) -> dict[str, float | dict[str, int]]: ...
@@ -99,11 +114,21 @@ class StaticBatchEngine:
         self._end_batch_if_done()
         return outputs
 
+    def expire(self, now_s: float) -> list[SequenceOutput]:
+        outputs = [o for seq in self._waiting if (o := seq.expire(now_s)) is not None]
+        self._waiting = deque(s for s in self._waiting if not s.is_finished)
+        outputs += [o for seq in self._running if not seq.is_finished and (o := seq.expire(now_s))]
+        self._end_batch_if_done()
+        return outputs
+
     def num_free_slots(self) -> int:
         return max(0, self.max_batch_size - len(self._waiting) - len(self._running))
 
     def num_waiting_by_tenant(self) -> Counter[str]:
         return Counter(seq.tenant_id for seq in self._waiting)
+
+    def unstarted_request_ids(self) -> list[str]:
+        return [seq.request_id for seq in self._waiting]
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
@@ -156,7 +181,12 @@ class ContinuousBatchingEngine:
         return self.scheduler.add(seq)
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
-        outputs = self.scheduler.abort(request_ids)
+        return self._released(self.scheduler.abort(request_ids))
+
+    def expire(self, now_s: float) -> list[SequenceOutput]:
+        return self._released(self.scheduler.expire(now_s))
+
+    def _released(self, outputs: list[SequenceOutput]) -> list[SequenceOutput]:
         for output in outputs:
             self._runner.release(output.request_id)
         return outputs
@@ -168,6 +198,9 @@ class ContinuousBatchingEngine:
 
     def num_waiting_by_tenant(self) -> Counter[str]:
         return Counter(seq.tenant_id for seq in self.scheduler.waiting)
+
+    def unstarted_request_ids(self) -> list[str]:
+        return [seq.request_id for seq in self.scheduler.waiting if not seq.num_output_tokens]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -191,7 +224,11 @@ class ContinuousBatchingEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self._runner.execute(out)
+        try:
+            sampled = self._runner.execute(out)
+        except Exception as exc:  # one request may break the model: find it, spare the rest
+            log.exception("model step failed for %d sequences", len(out.chunks))
+            return self._released(self.scheduler.step_failed(out, f"{type(exc).__name__}"))
         outputs = self.scheduler.postprocess(out, sampled)
         for output in outputs:
             if output.is_finished:

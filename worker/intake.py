@@ -77,6 +77,54 @@ class Intake:
                 entry = await self._decode(_text(stream), _text(entry_id), fields)
                 if entry is not None:
                     entries.append(entry)
+        return await self._drop_ended(entries)
+
+    async def _drop_ended(self, entries: list[StreamEntry]) -> list[StreamEntry]:
+        """A request can be delivered again after it ended (handed back, reclaimed in a
+        race): acknowledge those instead of serving them twice."""
+        if not entries:
+            return entries
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for entry in entries:
+                pipe.exists(keys.request_done(entry.request.request_id))
+            is_ended = await pipe.execute()
+        for entry, ended in zip(entries, is_ended, strict=True):
+            if ended:
+                await self.ack(entry)
+        return [entry for entry, ended in zip(entries, is_ended, strict=True) if not ended]
+
+    async def keep_claimed(self, entries: list[StreamEntry]) -> None:
+        """Reset the idle time of entries this worker holds, so no one reclaims them."""
+        by_stream: dict[str, list[str]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.entry_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for stream, entry_ids in by_stream.items():
+                pipe.xclaim(stream, keys.WORKER_GROUP, self._consumer, 0, entry_ids, justid=True)
+            await pipe.execute()
+
+    async def hand_back(self, entries: list[StreamEntry]) -> None:
+        """Put entries back on their streams for any worker (at the tail: a stream entry id
+        cannot go back in time), acknowledging and deleting the ones this worker held."""
+        for entry in entries:
+            new_id = await self._redis.xadd(entry.stream, entry.request.to_fields())
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.xack(entry.stream, keys.WORKER_GROUP, entry.entry_id)
+                pipe.xdel(entry.stream, entry.entry_id)
+                pipe.hset(keys.request_meta(entry.request.request_id), "entry_id", new_id)
+                await pipe.execute()
+
+    async def claim_idle(self, min_idle_ms: int, max_count: int) -> list[StreamEntry]:
+        """Entries idle for `min_idle_ms` (their worker stopped keeping them), now this
+        worker's (`XAUTOCLAIM`)."""
+        entries = []
+        for stream in (await self._streams()).values():
+            reply = await self._redis.xautoclaim(
+                stream, keys.WORKER_GROUP, self._consumer, min_idle_ms, count=max_count
+            )
+            for entry_id, fields in reply[1]:
+                if fields and (entry := await self._decode(stream, _text(entry_id), fields)):
+                    entries.append(entry)
         return entries
 
     async def ack(self, entry: StreamEntry) -> None:

@@ -1,12 +1,18 @@
-"""Send a step's outputs to the clients: token events over pub/sub, then the final event.
+"""Send a step's outputs to the clients: token events, then the final event, through the
+request's journal (`shared/journal.py`: appended and published in one script).
 
-A finished request is first recorded in SQL, then its tenant's admission is settled, then
-its final event is published, then its stream entry is acknowledged: a client that reads
-its usage right after `[DONE]` finds it, and an entry is never acknowledged before its
-record is durable. The admission limits (`shared/quota.py`) are kept here too: a pulled
-request stops counting as queued, a finished one (for any reason) stops counting as in
-flight and gets back the unused part of its token reservation. Those updates never block
-a step, and a Redis error in them is logged: an unsettled slot expires on its own.
+A finished request first claims its end in the journal, then is recorded in SQL, then its
+tenant's admission is settled, then its final event is appended, then its stream entry is
+acknowledged: a client that reads its usage right after `[DONE]` finds it, and an entry is
+never acknowledged before its record is durable. If the journal refuses an event, someone
+else is serving or has ended the request (a second delivery, or a reclaim after this worker
+was taken for dead): the request is *orphaned* here: its sequence is aborted, nothing more
+is published, recorded or acknowledged for it.
+
+The admission limits (`shared/quota.py`) are kept here too: a pulled request stops counting
+as queued, a finished one (for any reason) stops counting as in flight and gets back the
+unused part of its token reservation. Those updates never block a step, and a Redis error
+in them is logged: an unsettled slot expires on its own.
 """
 
 from __future__ import annotations
@@ -19,38 +25,43 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from sqlalchemy.engine import Engine
 
-from shared import keys, quota
-from shared.protocol import (
-    ErrorEvent,
-    FinalEvent,
-    QueuedRequest,
-    TokenEvent,
-    Usage,
-    encode_event,
-)
-from worker import usage
+from shared import keys, quota, usage
+from shared.journal import Journal
+from shared.protocol import ErrorEvent, FinalEvent, QueuedRequest, TokenEvent, Usage
 from worker.intake import Intake, StreamEntry
 from worker.sequence import SequenceOutput
 
 log = logging.getLogger("llmfleet.worker")
+
+DEAD_LETTER_MAXLEN = 1000
 
 
 @dataclass(slots=True)
 class InFlight:
     entry: StreamEntry
     num_events: int = 0
+    is_orphaned: bool = False
 
     def next_seq(self) -> int:
         self.num_events += 1
         return self.num_events - 1
 
+    @property
+    def is_started(self) -> bool:
+        return self.num_events > 0
+
 
 class Publisher:
-    def __init__(self, redis: aioredis.Redis, db: Engine, intake: Intake) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, db: Engine, intake: Intake, journal: Journal, worker_id: str
+    ) -> None:
         self._redis = redis
         self._db = db
         self._intake = intake
+        self._journal = journal
+        self._worker_id = worker_id
         self.inflight: dict[str, InFlight] = {}
+        self.orphans: set[str] = set()  # to abort at the next step
         self._tasks: set[asyncio.Task] = set()  # finishing requests, quota updates
 
     def track(self, entry: StreamEntry) -> None:
@@ -58,7 +69,7 @@ class Publisher:
         self._spawn(self._mark_started(entry.request))
 
     async def publish(self, outputs: list[SequenceOutput]) -> None:
-        tokens = [o for o in outputs if not o.is_finished and o.text]
+        tokens = [o for o in outputs if not o.is_finished and o.text and self._is_live(o)]
         if tokens:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for output in tokens:
@@ -66,12 +77,33 @@ class Publisher:
                     event = TokenEvent(
                         seq=flight.next_seq(), text=output.text, num_tokens=output.num_new_tokens
                     )
-                    pipe.publish(keys.request_channel(output.request_id), encode_event(event))
-                await pipe.execute()
+                    await self._journal.append_in(pipe, output.request_id, event)
+                appended = await pipe.execute()
+            for output, is_appended in zip(tokens, appended, strict=True):
+                if not is_appended:
+                    self._orphan(output.request_id)
         for output in outputs:
-            if output.is_finished:
-                flight = self.inflight.pop(output.request_id)
-                self._spawn(self._finish(flight, output))
+            if output.is_finished and self._is_live(output):
+                self._spawn(self._finish(self.inflight.pop(output.request_id), output))
+            elif output.is_finished:
+                self.inflight.pop(output.request_id, None)
+
+    def _is_live(self, output: SequenceOutput) -> bool:
+        flight = self.inflight.get(output.request_id)
+        return flight is not None and not flight.is_orphaned
+
+    def forget(self, request_ids: list[str]) -> list[StreamEntry]:
+        """Stop tracking requests handed to another worker; their entries."""
+        return [self.inflight.pop(rid).entry for rid in request_ids if rid in self.inflight]
+
+    def _orphan(self, request_id: str) -> None:
+        log.warning("request %s is served or ended elsewhere: dropping it here", request_id)
+        self.inflight[request_id].is_orphaned = True
+        self.orphans.add(request_id)
+
+    def take_orphans(self) -> set[str]:
+        orphans, self.orphans = self.orphans, set()
+        return orphans
 
     async def drain(self) -> None:
         """Wait for finished requests still being recorded (and quota updates in flight)."""
@@ -85,8 +117,18 @@ class Publisher:
 
     async def _finish(self, flight: InFlight, output: SequenceOutput) -> None:
         request = flight.entry.request
+        if not await self._journal.claim_end(request.request_id, self._worker_id):
+            log.warning("request %s was ended elsewhere", request.request_id)
+            return
         try:
-            await asyncio.to_thread(usage.record, self._db, request, output)
+            await asyncio.to_thread(
+                usage.record,
+                self._db,
+                request,
+                finish_reason=output.finish_reason,
+                num_output_tokens=output.num_output_tokens,
+                num_computed_tokens=output.num_computed_tokens,
+            )
         except Exception:
             # Not acknowledged: the entry stays pending and its usage is retried on reclaim.
             log.exception("usage record failed for %s", request.request_id)
@@ -96,16 +138,24 @@ class Publisher:
         # Before the final event: a client that sends its next request on `[DONE]` must find
         # the in-flight slot free and the unused tokens back.
         await self._settle(request, output)
-        await self._redis.publish(
-            keys.request_channel(request.request_id),
-            encode_event(self._final_event(flight, output)),
+        if output.error is not None and output.error.code == "model_error":
+            await self._dead_letter(request, output)
+        await self._journal.append_end(
+            request.request_id, self._worker_id, self._final_event(output)
         )
         if is_recorded:
             await self._intake.ack(flight.entry)
 
+    async def _dead_letter(self, request: QueuedRequest, output: SequenceOutput) -> None:
+        fields = {**request.to_fields(), "error": output.error.message}
+        await self._redis.xadd(
+            keys.dead_letter(request.model), fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True
+        )
+
     async def _mark_started(self, request: QueuedRequest) -> None:
         try:
             await quota.mark_started(self._redis, request)
+            await self._journal.set_owner(request.request_id, self._worker_id)
         except (RedisError, OSError):
             log.exception("could not mark %s started in its tenant's queue", request.request_id)
 
@@ -117,13 +167,12 @@ class Publisher:
             log.exception("could not settle the admission of %s", request.request_id)
 
     @staticmethod
-    def _final_event(flight: InFlight, output: SequenceOutput) -> FinalEvent | ErrorEvent:
+    def _final_event(output: SequenceOutput) -> FinalEvent | ErrorEvent:
+        # `seq` is set by the journal: the one after the last event appended.
         if output.error is not None:
-            return ErrorEvent(
-                seq=flight.next_seq(), code=output.error.code, message=output.error.message
-            )
+            return ErrorEvent(seq=0, code=output.error.code, message=output.error.message)
         return FinalEvent(
-            seq=flight.next_seq(),
+            seq=0,
             text=output.text,
             finish_reason=output.finish_reason,
             usage=Usage(

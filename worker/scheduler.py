@@ -6,7 +6,7 @@ computes it in one forward pass and returns one sampled token per sampling chunk
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from worker.fair_queue import WaitingQueue
@@ -60,6 +60,7 @@ class SchedulerOutput:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # token budget per step: bounds step time, so decode ITL
+    max_step_failures: int = 2  # a sequence that fails alone this often is dead-lettered
 
 
 class Scheduler:
@@ -76,6 +77,8 @@ class Scheduler:
         self.policy = policy
         self.running: list[Sequence] = []
         self.num_preemptions_by_tenant: Counter[str] = Counter()
+        # Sequences of a failed step, each to be run alone until the one at fault is found.
+        self.suspects: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
         """Queue a sequence; refuse it at once (an error output) if it could never fit."""
@@ -119,6 +122,10 @@ class Scheduler:
         sequence's tenant: all of a sequence's tokens when it is admitted (its prompt, or
         everything again after a preemption), then each decode.
         """
+        while self.suspects and self.suspects[0].is_finished:
+            self.suspects.popleft()
+        if self.suspects:
+            return self._schedule_alone(self.suspects[0])
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -138,6 +145,46 @@ class Scheduler:
             budget = self.config.max_num_batched_tokens - out.num_batched_tokens
         self._check_invariants()
         return out
+
+    def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
+        """A step with `seq` only: after a failed step, to find the sequence at fault."""
+        out = SchedulerOutput()
+        if seq.status is SequenceStatus.WAITING:
+            if self.kv_cache.num_blocks_for(seq.num_tokens) > self.kv_cache.num_free_blocks:
+                victims = [s for s in self.running if s is not seq]
+                while victims and not self.kv_cache.can_allocate(seq, seq.num_tokens):
+                    victim = self.policy.pick_victim(victims, self.running)
+                    victims.remove(victim)
+                    self._preempt(victim, out)
+            self.waiting.remove(seq)
+            self._charge(seq, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        self._schedule_running(seq, self.config.max_num_batched_tokens, set(), out)
+        self._check_invariants()
+        return out
+
+    def step_failed(self, out: SchedulerOutput, reason: str) -> list[SequenceOutput]:
+        """The model step for `out` raised. Alone in it, the sequence is at fault: after
+        `max_step_failures` it is dead-lettered (an error output); else it is retried. With
+        others, every sequence of the step is recomputed, each alone first, so that one
+        request that breaks the model cannot take the rest of the batch down with it."""
+        seqs = [chunk.seq for chunk in out.chunks if not chunk.seq.is_finished]
+        if len(seqs) == 1:
+            seqs[0].num_failures += 1
+            if seqs[0].num_failures >= self.config.max_step_failures:
+                output = seqs[0].refuse(
+                    "model_error",
+                    f"the model failed {seqs[0].num_failures} times on this request: {reason}",
+                )
+                self._release(seqs[0])
+                return [output]
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self._requeue(seq)
+            if seq not in self.suspects:
+                self.suspects.append(seq)
+        return []
 
     def _schedule_running(
         self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput
@@ -190,15 +237,20 @@ class Scheduler:
         (out.decodes if num_new == 1 else out.prefills).append(chunk)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions_by_tenant[seq.tenant_id] += 1
+        out.preempted.append(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and put it back at the front of its tenant's queue,
+        to be recomputed."""
         self.running.remove(seq)
         self.kv_cache.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_charged_tokens = 0  # recompute is charged again
-        seq.num_preemptions += 1
-        self.num_preemptions_by_tenant[seq.tenant_id] += 1
         self.waiting.push_front(seq)
-        out.preempted.append(seq)
 
     def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[SequenceOutput]:
         """Advance every scheduled chunk; append the sampled tokens (one per sampling chunk,
@@ -210,6 +262,8 @@ class Scheduler:
             chunk.seq.num_computed_tokens = chunk.end
             chunk.seq.num_computed_total += chunk.num_new_tokens
             self._charge(chunk.seq, chunk.end)  # decodes; prefill was charged at admission
+        if self.suspects and [c.seq for c in out.chunks] == [self.suspects[0]]:
+            self.suspects.popleft()  # it ran alone without failing: not at fault
         outputs = []
         for chunk, token_id in zip(sampling, sampled, strict=True):
             if chunk.seq.is_finished:
@@ -218,6 +272,15 @@ class Scheduler:
             if output.is_finished:
                 self._release(chunk.seq)
             outputs.append(output)
+        return outputs
+
+    def expire(self, now_s: float) -> list[SequenceOutput]:
+        """End the sequences whose queue deadline or total deadline passed by `now_s`."""
+        outputs = []
+        for seq in [*self.waiting, *self.running]:
+            if not seq.is_finished and (output := seq.expire(now_s)) is not None:
+                outputs.append(output)
+                self._release(seq)
         return outputs
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]:

@@ -28,7 +28,7 @@ class SequenceOutput:
     request_id: str
     text: str
     num_new_tokens: int
-    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error" once finished
+    finish_reason: str | None  # stop, length, cancelled, deadline or error once finished
     num_prompt_tokens: int
     num_output_tokens: int
     num_computed_tokens: int = 0  # all tokens computed, recompute after preemption included
@@ -50,6 +50,8 @@ class Sequence:
     tenant_id: str = ""
     tier: int = 1
     weight: int = 1
+    queue_deadline_s: float | None = None  # unix times, see QueuedRequest
+    deadline_s: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
@@ -61,6 +63,7 @@ class Sequence:
     # (prompt, decodes and recompute after preemptions).
     num_charged_tokens: int = 0
     num_computed_total: int = 0
+    num_failures: int = 0  # model steps that failed with this sequence alone in them
 
     @classmethod
     def from_request(
@@ -76,6 +79,8 @@ class Sequence:
             tenant_id=request.tenant_id,
             tier=request.tier,
             weight=request.weight,
+            queue_deadline_s=request.queue_deadline_ts,
+            deadline_s=request.deadline_ts,
         )
 
     @property
@@ -123,6 +128,16 @@ class Sequence:
 
     def cancel(self) -> SequenceOutput:
         return self._finish("cancelled", "", num_new_tokens=0)
+
+    def expire(self, now_s: float) -> SequenceOutput | None:
+        """End the sequence if a deadline passed: `queue_timeout` (an error) if it never
+        started, finish reason `deadline` if it did."""
+        is_started = self.num_output_tokens > 0
+        if not is_started and self.queue_deadline_s is not None and now_s > self.queue_deadline_s:
+            return self.refuse("queue_timeout", "the request waited past its queue deadline")
+        if self.deadline_s is not None and now_s > self.deadline_s:
+            return self._finish("deadline", self.detokenizer.flush(), num_new_tokens=0)
+        return None
 
     def refuse(self, code: str, reason: str) -> SequenceOutput:
         """End a sequence that cannot be served (e.g. it would never fit the KV cache)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -21,14 +22,17 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from sqlalchemy.engine import Engine
 
-from shared import keys, model_source
+from shared import keys, model_source, recovery
+from shared.journal import Journal
 from shared.protocol import decode_cancel
 from shared.redis_conn import async_client
 from shared.settings import Settings
 from shared.tables import ModelDeployment
+from worker import telemetry
 from worker.engine import EngineConfig, build_engine
-from worker.intake import Intake
+from worker.intake import Intake, StreamEntry
 from worker.publisher import Publisher
+from worker.recovery import Reclaimer
 from worker.sequence import Sequence
 
 log = logging.getLogger("llmfleet.worker")
@@ -41,6 +45,8 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     device: str = "auto"
     dtype: str = "auto"
+    metrics_port: int = 0  # the worker's Prometheus /metrics; 0: none
+    metrics_host: str = "127.0.0.1"
 
 
 class Worker:
@@ -57,6 +63,9 @@ class Worker:
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._engine = None
+        self._heartbeat_timeout_s = settings.worker_heartbeat_timeout_s
+        self._recovery: tuple[Publisher, Reclaimer] | None = None
+        self._reclaimed: list[StreamEntry] = []
         # All torch work (load, KV pool allocation, every step) runs on this one thread: each
         # thread that runs a parallel torch op gets an OpenMP team of its own, and with two
         # teams in the process a decode step measured 125 ms instead of 93 (batch 32, CPU).
@@ -66,7 +75,9 @@ class Worker:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn)
 
     def stop(self) -> None:
-        """Stop pulling new work; running sequences finish, then `run` returns."""
+        """Graceful shutdown (SIGTERM): stop pulling, hand the requests that have not started
+        back to the queue, let running ones finish within `worker_drain_timeout_s`, end the
+        rest with `worker_shutdown`, then `run` returns."""
         self._stopping.set()
 
     async def run(self) -> None:
@@ -75,18 +86,27 @@ class Worker:
         try:
             self._state = "loading"
             engine, tokenizer, eos_token_ids = await self._on_engine_thread(self._load)
+            engine = telemetry.observe(engine, self._deployment.model_id, self._config.engine)
             self._engine = engine
             engine_config = self._config.engine
             is_fair = engine_config.batching == "continuous" and engine_config.queueing == "fair"
             intake = Intake(redis, self._deployment.model_id, self.worker_id, is_fair=is_fair)
-            publisher = Publisher(redis, self._db, intake)
+            journal = Journal(redis, self._settings.journal_ttl_s)
+            publisher = Publisher(redis, self._db, intake, journal, self.worker_id)
+            reclaimer = Reclaimer(
+                redis, intake, journal, self._db, self.worker_id, self._heartbeat_timeout_s
+            )
+            self._recovery = (publisher, reclaimer)
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
+            exporter = asyncio.create_task(telemetry.export(engine, redis, self._config))
             self._state = "ready"
             log.info("worker %s ready for %s", self.worker_id, self._deployment.model_id)
             try:
                 await self._loop(engine, intake, publisher, tokenizer, eos_token_ids)
+                await self._end_unfinished(redis, journal, publisher, engine)
             finally:
                 cancels.cancel()
+                exporter.cancel()
                 await publisher.drain()
         finally:
             heartbeat.cancel()
@@ -104,19 +124,54 @@ class Worker:
 
     async def _loop(self, engine, intake, publisher, tokenizer, eos_token_ids) -> None:
         idle_ms = self._settings.worker_idle_poll_ms
-        while not (self._stopping.is_set() and not engine.has_work()):
+        drain_deadline_s = math.inf
+        while engine.has_work() or not self._stopping.is_set():
+            if self._stopping.is_set() and drain_deadline_s == math.inf:
+                drain_deadline_s = time.monotonic() + self._settings.worker_drain_timeout_s
+                await self._hand_back(engine, intake, publisher)
+            if time.monotonic() > drain_deadline_s:
+                return  # `_end_unfinished` ends what is left
+            entries, self._reclaimed = self._reclaimed, []
             free = engine.num_free_slots()
             if free and not self._stopping.is_set():
-                block_ms = None if engine.has_work() else idle_ms
-                for entry in await intake.pull(free, block_ms, engine.num_waiting_by_tenant()):
-                    publisher.track(entry)
-                    seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
-                    if (refused := engine.add(seq)) is not None:
-                        await publisher.publish([refused])
-            await publisher.publish(engine.abort(self._take_cancels(publisher)))
+                block_ms = None if engine.has_work() or entries else idle_ms
+                entries += await intake.pull(free, block_ms, engine.num_waiting_by_tenant())
+            for entry in entries:
+                publisher.track(entry)
+                seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
+                if (refused := engine.add(seq)) is not None:
+                    await publisher.publish([refused])
+            aborted = self._take_cancels(publisher) | publisher.take_orphans()
+            await publisher.publish(engine.abort(aborted))
+            await publisher.publish(engine.expire(time.time()))
             if engine.has_work():
                 outputs = await self._on_engine_thread(engine.step)
                 await publisher.publish(outputs)
+
+    async def _hand_back(self, engine, intake: Intake, publisher: Publisher) -> None:
+        """Give the requests that have not started to the other workers, at once."""
+        request_ids = engine.unstarted_request_ids()
+        entries = publisher.forget(request_ids)
+        engine.abort(set(request_ids))
+        await intake.hand_back(entries)
+        if entries:
+            log.info("handed %d waiting requests back to the queue", len(entries))
+
+    async def _end_unfinished(self, redis, journal: Journal, publisher: Publisher, engine) -> None:
+        """After the drain timeout: end what still runs (`worker_shutdown`), usage recorded."""
+        request_ids = list(publisher.inflight)
+        for entry in publisher.forget(request_ids):
+            await recovery.end_lost(
+                redis,
+                journal,
+                self._db,
+                entry.request,
+                (entry.stream, entry.entry_id),
+                claimer=self.worker_id,
+                code="worker_shutdown",
+                message="The worker serving this request shut down before it finished.",
+            )
+        engine.abort(set(request_ids))
 
     def _take_cancels(self, publisher: Publisher) -> set[str]:
         # Scan what is in flight (at most a batch), not the remembered cancels (up to 10k).
@@ -137,10 +192,20 @@ class Worker:
         while True:
             try:
                 await self._beat(redis, key, interval_s)
+                await self._recover()
             except (RedisError, OSError) as exc:
                 # The broker may be restarting; keep beating once it is back.
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(interval_s)
+
+    async def _recover(self) -> None:
+        """Keep this worker's entries claimed; take over dead workers' entries."""
+        if self._recovery is None:
+            return
+        publisher, reclaimer = self._recovery
+        await reclaimer.keep_claimed([flight.entry for flight in publisher.inflight.values()])
+        if not self._stopping.is_set():
+            self._reclaimed += await reclaimer.reclaim()
 
     async def _beat(self, redis: aioredis.Redis, key: str, interval_s: float) -> None:
         model = self._deployment.model_id
@@ -155,7 +220,7 @@ class Worker:
         fields = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in fields.items()}
         async with redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
-            pipe.expire(key, max(1, int(interval_s * 3)))
+            pipe.expire(key, max(1, math.ceil(self._heartbeat_timeout_s)))
             capacity = getattr(self._engine, "max_num_tokens_per_sequence", None)
             if capacity is not None:
                 pipe.zadd(keys.model_capacity(model), {self.worker_id: capacity})

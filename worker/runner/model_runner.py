@@ -70,6 +70,7 @@ class ModelRunner:
         self._v_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
         self._model.set_attn_implementation(ATTENTION_NAME)
         self._generators: dict[str, torch.Generator | None] = {}
+        self.fault_token_id: int | None = None  # chaos tests: a step holding it fails
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int]:
@@ -79,6 +80,8 @@ class ModelRunner:
         out.decodes.sort(key=lambda chunk: chunk.end)
         chunks = out.chunks
         input_ids, positions, slot_mapping, keep = self._pack(chunks)
+        if self.fault_token_id is not None and bool((input_ids == self.fault_token_id).any()):
+            raise RuntimeError("injected fault: the step's input holds the fault token")
         step = self._metadata(out, slot_mapping)
         result = self._model(
             input_ids=input_ids.unsqueeze(0),

@@ -1,0 +1,125 @@
+"""The request journal: every event of a request, in order, kept in Redis for a while.
+
+Pub/sub carries events live but at most once: a subscriber that is slow, reconnecting or on
+another API replica misses what was published meanwhile. So every event is also appended
+to the request's journal, a stream whose entry ids are `0-{seq + 1}`, in the same script
+that publishes it. With the journal:
+
+- a reader that sees a gap in `seq`, or no end, reads what it missed from the journal;
+- a client that reconnects with `Last-Event-ID` (to any API replica) replays from it;
+- a request has exactly one end: whoever ends it (its worker, a worker reclaiming a dead
+  worker's entries, an API replica that finds its worker dead) first claims
+  `llmfleet:done:{id}` with SET NX, then records the usage, then appends the terminal
+  event; token events are refused once the end is claimed. A zombie worker, a second
+  delivery of the same entry, or a reaper racing the worker cannot add to a request that
+  is ending, nor write the same `seq` twice (`XADD` refuses an id not above the last).
+
+The journal and the done marker expire `journal_ttl_s` after their last write.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+
+from shared import keys
+from shared.protocol import ErrorEvent, Event, FinalEvent, TokenEvent, decode_event, encode_event
+
+# KEYS: journal stream, done marker. ARGV: channel, seq, event JSON, ttl s.
+# Returns 1 if appended (and published), 0 if the request is ending or `seq` was taken.
+_APPEND_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local added = redis.pcall('XADD', KEYS[1], '0-' .. (tonumber(ARGV[2]) + 1), 'e', ARGV[3])
+if type(added) == 'table' and added.err then return 0 end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('PUBLISH', ARGV[1], ARGV[3])
+return 1
+"""
+
+# KEYS: journal stream, done marker. ARGV: channel, claimer, event JSON (its seq is replaced
+# by the next one), ttl s. Returns 1 if appended, 0 if someone else claimed the end.
+_APPEND_END_LUA = """
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 0 end
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local seq = 0
+if #last > 0 then seq = tonumber(string.match(last[1][1], '%-(%d+)$')) end
+local event = cjson.decode(ARGV[3])
+event['seq'] = seq
+local data = cjson.encode(event)
+redis.call('XADD', KEYS[1], '0-' .. (seq + 1), 'e', data)
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+redis.call('PUBLISH', ARGV[1], data)
+return 1
+"""
+
+
+class Journal:
+    def __init__(self, redis: aioredis.Redis, ttl_s: int) -> None:
+        self._redis = redis
+        self.ttl_s = ttl_s
+        self._append = redis.register_script(_APPEND_LUA)
+        self._append_end = redis.register_script(_APPEND_END_LUA)
+
+    async def append(self, request_id: str, event: TokenEvent) -> bool:
+        """Append and publish a token event; False if the request is ending or `seq` was
+        taken (another worker generates it)."""
+        return bool(await self._append(**self._args(request_id, event)))
+
+    async def append_in(self, pipe: Pipeline, request_id: str, event: TokenEvent) -> None:
+        """Queue an append on `pipe` (one pipeline per engine step); its result is the same
+        0/1 as `append`'s, in the pipeline's results."""
+        await self._append(**self._args(request_id, event), client=pipe)
+
+    async def read_after(self, request_id: str, seq: int) -> list[Event]:
+        """The journal's events with a sequence number above `seq` (-1: all of them)."""
+        entries = await self._redis.xrange(keys.request_events(request_id), min=f"({_id(seq)}")
+        return [decode_event(fields[b"e"]) for _, fields in entries]
+
+    async def last_seq(self, request_id: str) -> int:
+        """The sequence number of the last event appended, -1 if none."""
+        entries = await self._redis.xrevrange(keys.request_events(request_id), count=1)
+        return int(entries[0][0].split(b"-")[1]) - 1 if entries else -1
+
+    async def is_done(self, request_id: str) -> bool:
+        return bool(await self._redis.exists(keys.request_done(request_id)))
+
+    async def claim_end(self, request_id: str, claimer: str) -> bool:
+        """Become the one who ends the request (records its usage, appends its terminal
+        event); False if someone else has. From here on, no token event is appended."""
+        done = keys.request_done(request_id)
+        return bool(await self._redis.set(done, claimer, nx=True, ex=self.ttl_s))
+
+    async def append_end(
+        self, request_id: str, claimer: str, event: ErrorEvent | FinalEvent
+    ) -> bool:
+        """Append and publish the terminal event, after `claim_end`; its `seq` becomes the
+        one after the journal's last event."""
+        result = await self._append_end(
+            keys=[keys.request_events(request_id), keys.request_done(request_id)],
+            args=[keys.request_channel(request_id), claimer, encode_event(event), self.ttl_s],
+        )
+        return bool(result)
+
+    async def set_owner(self, request_id: str, worker_id: str) -> None:
+        """The worker that pulled the request; an API replica checks that it is alive."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.request_meta(request_id), "owner", worker_id)
+            pipe.expire(keys.request_meta(request_id), self.ttl_s)
+            await pipe.execute()
+
+    async def meta(self, request_id: str) -> dict[str, str]:
+        """What the API stored when it enqueued the request (tenant_id, model, kind,
+        created, stream, entry_id), plus `owner` once a worker pulled it; {} if unknown."""
+        fields = await self._redis.hgetall(keys.request_meta(request_id))
+        return {k.decode(): v.decode() for k, v in fields.items()}
+
+    def _args(self, request_id: str, event: TokenEvent) -> dict:
+        return {
+            "keys": [keys.request_events(request_id), keys.request_done(request_id)],
+            "args": [keys.request_channel(request_id), event.seq, encode_event(event), self.ttl_s],
+        }
+
+
+def _id(seq: int) -> str:
+    return f"0-{seq + 1}"

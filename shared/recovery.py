@@ -1,0 +1,71 @@
+"""Ending a request whose worker is gone, exactly once, from wherever that is noticed.
+
+Two places notice: a worker whose `XAUTOCLAIM` picks up a dead worker's entry
+(`worker/recovery.py`), and an API replica whose stream went silent while the request's
+owner stopped heartbeating (`api/broker.py`). Whichever claims the end first
+(`Journal.claim_end`) records the usage (what was delivered), settles the tenant's
+admission, appends the error event (`worker_lost`) and acknowledges the entry; the other
+finds the end claimed and does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from sqlalchemy.engine import Engine
+
+from shared import keys, quota, usage
+from shared.journal import Journal
+from shared.protocol import ErrorEvent, QueuedRequest, TokenEvent
+
+log = logging.getLogger("llmfleet.recovery")
+
+
+async def end_lost(
+    redis: aioredis.Redis,
+    journal: Journal,
+    db: Engine,
+    request: QueuedRequest,
+    entry: tuple[str, str] | None,
+    *,
+    claimer: str,
+    code: str = "worker_lost",
+    message: str = "The worker generating this request stopped; it was not completed.",
+) -> bool:
+    """End `request` with an error event; False if it had been ended by someone else.
+    `entry`: (stream, entry id) of its queue entry, acknowledged once the end is recorded."""
+    request_id = request.request_id
+    if not await journal.claim_end(request_id, claimer):
+        return False
+    events = await journal.read_after(request_id, -1)
+    num_delivered = sum(e.num_tokens for e in events if isinstance(e, TokenEvent))
+    try:
+        await asyncio.to_thread(
+            usage.record,
+            db,
+            request,
+            finish_reason="error",
+            num_output_tokens=num_delivered,
+            num_computed_tokens=len(request.prompt_token_ids) + num_delivered,
+        )
+    except Exception:
+        # Give the end back: whoever tries next (the entry stays pending) records it.
+        log.exception("usage of lost request %s not recorded; will retry", request_id)
+        await redis.delete(keys.request_done(request_id))
+        return False
+    await quota.settle(redis, request, len(request.prompt_token_ids) + num_delivered)
+    await journal.append_end(request_id, claimer, ErrorEvent(seq=0, code=code, message=message))
+    if entry is not None:
+        await ack(redis, *entry)
+    log.warning("request %s ended: %s", request_id, code)
+    return True
+
+
+async def ack(redis: aioredis.Redis, stream: str, entry_id: str) -> None:
+    """Acknowledge and delete a queue entry (the stream is a queue, and it holds the prompt)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.xack(stream, keys.WORKER_GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        await pipe.execute()

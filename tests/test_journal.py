@@ -1,0 +1,119 @@
+"""The request journal and the API's reading of it, against a real redis-server: ordered,
+gap-free event streams whatever pub/sub drops, and exactly one end."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from api import broker
+from shared import keys
+from shared.journal import Journal
+from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage, encode_event
+
+
+@pytest.fixture
+async def aredis(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def journal(aredis) -> Journal:
+    return Journal(aredis, ttl_s=60)
+
+
+def _token(seq: int, text: str = "x") -> TokenEvent:
+    return TokenEvent(seq=seq, text=text, num_tokens=1)
+
+
+def _final() -> FinalEvent:
+    return FinalEvent(
+        seq=0, text="", finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=2)
+    )
+
+
+async def test_events_are_kept_in_order_and_a_seq_is_written_once(journal, aredis):
+    rid = uuid.uuid4().hex
+    assert await journal.append(rid, _token(0, "a"))
+    assert await journal.append(rid, _token(1, "b"))
+    assert not await journal.append(rid, _token(1, "again"))  # a second writer of seq 1
+    assert [e.text for e in await journal.read_after(rid, -1)] == ["a", "b"]
+    assert [e.text for e in await journal.read_after(rid, 0)] == ["b"]
+    assert await journal.last_seq(rid) == 1
+    assert 0 < await aredis.ttl(keys.request_events(rid)) <= 60
+
+
+async def test_one_end_and_nothing_after_it(journal):
+    rid = uuid.uuid4().hex
+    await journal.append(rid, _token(0))
+    assert await journal.claim_end(rid, "worker-1")
+    assert not await journal.claim_end(rid, "api-7")  # the second to notice does nothing
+    assert not await journal.append(rid, _token(1))  # the end is claimed: no more tokens
+    assert not await journal.append_end(rid, "api-7", ErrorEvent(seq=0, code="c", message="m"))
+    assert await journal.append_end(rid, "worker-1", _final())
+    events = await journal.read_after(rid, -1)
+    assert [(e.type, e.seq) for e in events] == [("token", 0), ("final", 1)]
+    assert await journal.is_done(rid)
+
+
+async def _subscription(aredis, journal, rid: str, idle_check_s: float = 0.2):
+    info = broker.RequestInfo(rid, "tenant", "model", "completion", 0)
+    pubsub = await broker._subscribe(aredis, rid)
+    return broker.Subscription(info, pubsub, aredis, journal, None, idle_check_s)
+
+
+async def _collect(subscription) -> list:
+    async def run():
+        return [e async for e in subscription.events()]
+
+    try:
+        return await asyncio.wait_for(run(), timeout=10)
+    finally:
+        await subscription.close(cancel_if_unfinished=False)
+
+
+async def test_a_reader_fills_what_pub_sub_dropped_from_the_journal(journal, aredis):
+    rid = uuid.uuid4().hex
+    subscription = await _subscription(aredis, journal, rid)
+    # Events 0 and 1 reach the journal but their PUBLISH is lost; 2 arrives by pub/sub.
+    for seq in (0, 1):
+        event = encode_event(_token(seq, str(seq)))
+        await aredis.xadd(keys.request_events(rid), {"e": event}, id=f"0-{seq + 1}")
+    assert await journal.append(rid, _token(2, "2"))
+    assert await journal.claim_end(rid, "w")
+    assert await journal.append_end(rid, "w", _final())
+    events = await _collect(subscription)
+    assert [(e.type, e.seq) for e in events] == [
+        ("token", 0),
+        ("token", 1),
+        ("token", 2),
+        ("final", 3),
+    ]
+
+
+async def test_a_reader_finds_an_end_that_was_never_published(journal, aredis):
+    rid = uuid.uuid4().hex
+    subscription = await _subscription(aredis, journal, rid)
+    assert await journal.append(rid, _token(0))
+    # The final event is in the journal, but its PUBLISH never came (a paused subscriber).
+    event = encode_event(_final().model_copy(update={"seq": 1}))
+    await aredis.xadd(keys.request_events(rid), {"e": event}, id="0-2")
+    events = await _collect(subscription)
+    assert [(e.type, e.seq) for e in events] == [("token", 0), ("final", 1)]
+
+
+async def test_a_resumed_reader_starts_after_the_last_event_it_saw(journal, aredis):
+    rid = uuid.uuid4().hex
+    for seq in range(3):
+        await journal.append(rid, _token(seq, str(seq)))
+    subscription = await _subscription(aredis, journal, rid)
+    subscription.next_seq = 2
+    await journal.claim_end(rid, "w")
+    await journal.append_end(rid, "w", _final())
+    events = await _collect(subscription)
+    assert [(e.type, e.seq) for e in events] == [("token", 2), ("final", 3)]

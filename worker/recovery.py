@@ -1,0 +1,66 @@
+"""A worker's part in crash recovery: keep its own entries claimed, reclaim dead workers'.
+
+Every heartbeat, a worker resets the idle time of the entries it holds (`XCLAIM` to itself),
+so an entry stays idle longer than the heartbeat timeout only when its worker has stopped.
+`XAUTOCLAIM` over the model's tenant streams then takes such entries, and for each:
+
+- the journal says the request has ended (its worker died between ending it and
+  acknowledging the entry): acknowledge it;
+- the request had started (its journal holds events): it cannot be continued elsewhere
+  without repeating or losing tokens the client has seen, so it ends with `worker_lost`,
+  its delivered tokens recorded once (`shared/recovery.py`);
+- it had not started: it is served here, like a new entry.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from sqlalchemy.engine import Engine
+
+from shared import recovery
+from shared.journal import Journal
+from worker.intake import Intake, StreamEntry
+
+MAX_RECLAIMED_PER_STREAM = 16
+
+
+class Reclaimer:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        intake: Intake,
+        journal: Journal,
+        db: Engine,
+        worker_id: str,
+        timeout_s: float,
+    ) -> None:
+        self._redis = redis
+        self._intake = intake
+        self._journal = journal
+        self._db = db
+        self._worker_id = worker_id
+        self._timeout_ms = int(timeout_s * 1000)
+
+    async def keep_claimed(self, entries: list[StreamEntry]) -> None:
+        if entries:
+            await self._intake.keep_claimed(entries)
+
+    async def reclaim(self) -> list[StreamEntry]:
+        """Dead workers' entries: the ones to serve here (not started); the rest are settled."""
+        to_serve = []
+        for entry in await self._intake.claim_idle(self._timeout_ms, MAX_RECLAIMED_PER_STREAM):
+            request_id = entry.request.request_id
+            if await self._journal.is_done(request_id):
+                await recovery.ack(self._redis, entry.stream, entry.entry_id)
+            elif await self._journal.last_seq(request_id) >= 0:
+                await recovery.end_lost(
+                    self._redis,
+                    self._journal,
+                    self._db,
+                    entry.request,
+                    (entry.stream, entry.entry_id),
+                    claimer=self._worker_id,
+                )
+            else:
+                to_serve.append(entry)
+        return to_serve
