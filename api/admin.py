@@ -27,7 +27,7 @@ from shared.tables import Tenant
 from shared.tenants import LIMIT_FIELDS, InvalidTenantField, IssuedKey, KeyInfo, TenantNameTaken
 
 
-def _admin_ctx(request: Request) -> ApiContext:
+def admin_context(request: Request) -> ApiContext:
     """The context, once the caller has shown the admin key; 401 otherwise."""
     ctx: ApiContext = request.state.ctx
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -38,7 +38,7 @@ def _admin_ctx(request: Request) -> ApiContext:
 
 
 async def create_tenant(request: Request) -> Response:
-    ctx = _admin_ctx(request)
+    ctx = admin_context(request)
     body = parse_body(
         TenantCreateBody, await read_body(request, ctx.settings.max_request_body_bytes)
     )
@@ -62,19 +62,19 @@ def _create_tenant(ctx: ApiContext, body: TenantCreateBody) -> tuple[Tenant, Iss
 
 
 async def list_tenants(request: Request) -> Response:
-    ctx = _admin_ctx(request)
+    ctx = admin_context(request)
     rows = await run_in_threadpool(tenants.list_tenants, ctx.engine)
     return JSONResponse({"object": "list", "data": [_tenant_json(t) for t in rows]})
 
 
 async def get_tenant(request: Request) -> Response:
-    ctx = _admin_ctx(request)
+    ctx = admin_context(request)
     tenant = await _tenant_or_404(ctx, request.path_params["name"])
     return JSONResponse(_tenant_json(tenant))
 
 
 async def update_tenant(request: Request) -> Response:
-    ctx = _admin_ctx(request)
+    ctx = admin_context(request)
     changes = parse_body(
         TenantUpdateBody, await read_body(request, ctx.settings.max_request_body_bytes)
     ).changes()
@@ -89,21 +89,21 @@ async def update_tenant(request: Request) -> Response:
 
 
 async def create_key(request: Request) -> Response:
-    ctx = _admin_ctx(request)
+    ctx = admin_context(request)
     tenant = await _tenant_or_404(ctx, request.path_params["name"])
     issued = await run_in_threadpool(tenants.issue_key, ctx.engine, tenant.id, ctx.settings.pepper)
     return JSONResponse(_issued_key_json(issued), status_code=201)
 
 
 async def list_keys(request: Request) -> Response:
-    ctx = _admin_ctx(request)
+    ctx = admin_context(request)
     tenant = await _tenant_or_404(ctx, request.path_params["name"])
     rows = await run_in_threadpool(tenants.list_keys, ctx.engine, tenant.id)
     return JSONResponse({"object": "list", "data": [_key_json(k) for k in rows]})
 
 
 async def revoke_key(request: Request) -> Response:
-    ctx = _admin_ctx(request)
+    ctx = admin_context(request)
     key_id = request.path_params["key_id"]
     info = await run_in_threadpool(tenants.revoke_key, ctx.engine, key_id)
     if info is None:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from api.admin import _admin_ctx as admin_ctx  # the same check as the admin API
+from api.admin import admin_context  # the same check as the admin API
 from shared import fleet
 from shared.fleet import FleetSnapshot, ModelSnapshot
 from shared.latency_window import DEFAULT_WINDOW_S, LatencySummary
@@ -32,7 +32,7 @@ async def page(_request: Request) -> Response:
 
 
 async def data(request: Request) -> Response:
-    ctx = admin_ctx(request)
+    ctx = admin_context(request)
     snapshot = await fleet.snapshot(ctx.redis, ctx.engine, DEFAULT_WINDOW_S)
     return JSONResponse(snapshot_json(snapshot, DEFAULT_WINDOW_S))
 

@@ -54,12 +54,19 @@ return 1
 """
 
 
+_RELEASE_END_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 class Journal:
     def __init__(self, redis: aioredis.Redis, ttl_s: int) -> None:
         self._redis = redis
         self.ttl_s = ttl_s
         self._append = redis.register_script(_APPEND_LUA)
         self._append_end = redis.register_script(_APPEND_END_LUA)
+        self._release_end = redis.register_script(_RELEASE_END_LUA)
 
     async def append(self, request_id: str, event: TokenEvent) -> bool:
         """Append and publish a token event; False if the request is ending or `seq` was
@@ -89,6 +96,10 @@ class Journal:
         event); False if someone else has. From here on, no token event is appended."""
         done = keys.request_done(request_id)
         return bool(await self._redis.set(done, claimer, nx=True, ex=self.ttl_s))
+
+    async def release_end(self, request_id: str, claimer: str) -> None:
+        """Give back a claimed end that could not be completed (its usage not recorded)."""
+        await self._release_end(keys=[keys.request_done(request_id)], args=[claimer])
 
     async def append_end(
         self, request_id: str, claimer: str, event: ErrorEvent | FinalEvent

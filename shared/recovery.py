@@ -53,7 +53,7 @@ async def end_lost(
     except Exception:
         # Give the end back: whoever tries next (the entry stays pending) records it.
         log.exception("usage of lost request %s not recorded; will retry", request_id)
-        await redis.delete(keys.request_done(request_id))
+        await journal.release_end(request_id, claimer)
         return False
     await quota.settle(redis, request, len(request.prompt_token_ids) + num_delivered)
     await journal.append_end(request_id, claimer, ErrorEvent(seq=0, code=code, message=message))

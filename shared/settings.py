@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     worker_heartbeat_timeout_s: float = 6.0
     # SIGTERM: how long running requests may take to finish before they end `worker_shutdown`.
     worker_drain_timeout_s: float = 30.0
+    # How long a worker retries a usage write while the database is unavailable (the
+    # client's final event waits); after that the request is ended by recovery.
+    usage_retry_s: float = 60.0
     # How long a request's journal (its events, for resume and recovery) outlives its last event.
     journal_ttl_s: int = 3600
     # An API stream that hears nothing this long checks the journal and the worker's heartbeat.

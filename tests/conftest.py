@@ -13,11 +13,13 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from shared import deployments, keys, model_source, tenants
 from shared.db import create_schema, make_engine
@@ -146,23 +148,58 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-@pytest.fixture(scope="session")
-def api_url(env, home, db) -> Iterator[str]:
+@dataclass(frozen=True)
+class ApiProcess:
+    url: str
+    process: subprocess.Popen
+
+
+def spawn_api(env: dict[str, str], home: Path) -> ApiProcess:
+    """An API process on a free port, once `/healthz` answers; the caller stops it."""
     port = free_port()
-    process = _spawn(["api", "--port", str(port)], env, home / f"api-{port}.log")
+    log_path = home / f"api-{port}.log"
+    process = _spawn(["api", "--port", str(port)], env, log_path)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + PROCESS_START_TIMEOUT_S
     while True:
         try:
             if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                break
+                return ApiProcess(url, process)
         except httpx.TransportError:
             pass
         if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((home / f"api-{port}.log").read_text())
+            _stop(process)
+            raise RuntimeError(log_path.read_text())
         time.sleep(0.1)
-    yield url
-    _stop(process)
+
+
+@pytest.fixture(scope="session")
+def api_url(env, home, db) -> Iterator[str]:
+    api = spawn_api(env, home)
+    yield api.url
+    _stop(api.process)
+
+
+@pytest.fixture
+def start_api(env, home, db):
+    """Factory: another API replica (same Redis and SQL), with extra environment."""
+    started: list[subprocess.Popen] = []
+
+    def factory(env_overrides: dict[str, str] | None = None) -> ApiProcess:
+        api = spawn_api(env | (env_overrides or {}), home)
+        started.append(api.process)
+        return api
+
+    yield factory
+    for process in started:
+        _stop(process)
+
+
+@pytest.fixture
+async def aredis(redis_server):
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
 
 
 @pytest.fixture(scope="session")

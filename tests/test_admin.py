@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import re
 import stat
-import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,9 +15,8 @@ from typer.testing import CliRunner
 
 from shared import tenants
 from shared.cli import app as cli_app
-from shared.redis_server import free_port
 from shared.settings import Settings
-from tests.conftest import PROCESS_START_TIMEOUT_S, _spawn, _stop
+from tests.conftest import _stop, spawn_api
 from tests.helpers import auth
 
 
@@ -39,28 +36,9 @@ def admin(api_url, settings) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def second_api_url(env, home, db) -> Iterator[str]:
     """Another API process on the same Redis and SQL: a second replica."""
-    port = free_port()
-    log_path = home / f"api-{port}.log"
-    process = _spawn(["api", "--port", str(port)], env, log_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process, log_path)
-        yield url
-    finally:
-        _stop(process)
-
-
-def _wait_healthy(url: str, process, log_path: Path) -> None:
-    deadline = time.monotonic() + PROCESS_START_TIMEOUT_S
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(log_path.read_text())
-        time.sleep(0.1)
+    api = spawn_api(env, home)
+    yield api.url
+    _stop(api.process)
 
 
 def _create(admin: httpx.Client, **fields) -> dict:

@@ -7,19 +7,11 @@ import asyncio
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 
 from api import broker
 from shared import keys
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage, encode_event
-
-
-@pytest.fixture
-async def aredis(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture

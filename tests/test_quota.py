@@ -10,20 +10,12 @@ import asyncio
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 
 from shared import keys, quota
 from shared.tenants import TenantLimits
 from tests.factories import make_request
 
 LIFETIME_S = 3600.0
-
-
-@pytest.fixture
-async def aredis(redis_server):
-    client = aioredis.Redis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture

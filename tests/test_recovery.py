@@ -15,7 +15,6 @@ import pytest
 from redis.exceptions import ResponseError
 
 from shared import deployments, keys
-from tests.conftest import _spawn, _stop, free_port
 from tests.helpers import auth, stream
 from tests.test_lifecycle import _wait_for_usage
 
@@ -126,37 +125,31 @@ def test_sigterm_finishes_running_work_and_loses_nothing(
 
 
 def test_a_stream_resumes_on_another_api_replica_without_gaps_or_repeats(
-    env, home, api_url, tiny_worker, tiny_deployment, make_tenant
+    start_api, api_url, tiny_worker, tiny_deployment, make_tenant
 ):
     _, key = make_tenant("resume")
     body = {**_body(tiny_deployment.model_id, 200), "temperature": 0}
     expected = httpx.post(f"{api_url}/v1/completions", json=body, headers=auth(key), timeout=60)
-    port = free_port()
-    replica = _spawn(["api", "--port", str(port)], env, home / f"api-replica-{port}.log")
-    replica_url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(replica_url)
-        first_part, last_id = [], None
-        with (
-            httpx.Client(timeout=60) as client,
-            client.stream(
-                "POST",
-                f"{replica_url}/v1/completions",
-                json={**body, "stream": True},
-                headers=auth(key),
-            ) as r,
-        ):
-            request_id = r.headers["x-request-id"]
-            for line in r.iter_lines():
-                if line.startswith("id:"):
-                    last_id = line[3:].strip()
-                elif line.startswith("data:"):
-                    first_part.append(json.loads(line[5:])["choices"][0]["text"])
-                if len(first_part) == 5 and last_id is not None:
-                    replica.kill()  # the API process dies mid-stream: no cancel is sent
-                    break
-    finally:
-        _stop(replica)
+    replica = start_api()
+    first_part, last_id = [], None
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream(
+            "POST",
+            f"{replica.url}/v1/completions",
+            json={**body, "stream": True},
+            headers=auth(key),
+        ) as r,
+    ):
+        request_id = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if line.startswith("id:"):
+                last_id = line[3:].strip()
+            elif line.startswith("data:"):
+                first_part.append(json.loads(line[5:])["choices"][0]["text"])
+            if len(first_part) == 5 and last_id is not None:
+                replica.process.kill()  # the API process dies mid-stream: no cancel is sent
+                break
     rest = stream(
         api_url,
         f"/v1/requests/{request_id}/events",
@@ -170,30 +163,11 @@ def test_a_stream_resumes_on_another_api_replica_without_gaps_or_repeats(
     assert text == expected.json()["choices"][0]["text"]
 
 
-def _wait_healthy(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy")
-
-
 @pytest.fixture
-def short_deadline_api(env, home):
+def short_deadline_api(start_api) -> str:
     """An API replica whose requests must start within 1 s and finish within 2 s."""
-    port = free_port()
     overrides = {"LLMFLEET_REQUEST_QUEUE_TIMEOUT_S": "1", "LLMFLEET_REQUEST_TIMEOUT_S": "2"}
-    process = _spawn(["api", "--port", str(port)], env | overrides, home / f"api-{port}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url)
-        yield url
-    finally:
-        _stop(process)
+    return start_api(overrides).url
 
 
 def test_a_request_nobody_starts_in_time_fails_with_queue_timeout(

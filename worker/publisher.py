@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -53,13 +54,20 @@ class InFlight:
 
 class Publisher:
     def __init__(
-        self, redis: aioredis.Redis, db: Engine, intake: Intake, journal: Journal, worker_id: str
+        self,
+        redis: aioredis.Redis,
+        db: Engine,
+        intake: Intake,
+        journal: Journal,
+        worker_id: str,
+        usage_retry_s: float = 60.0,
     ) -> None:
         self._redis = redis
         self._db = db
         self._intake = intake
         self._journal = journal
         self._worker_id = worker_id
+        self._usage_retry_s = usage_retry_s
         self.inflight: dict[str, InFlight] = {}
         self.orphans: set[str] = set()  # to abort at the next step
         self._tasks: set[asyncio.Task] = set()  # finishing requests, quota updates
@@ -120,21 +128,11 @@ class Publisher:
         if not await self._journal.claim_end(request.request_id, self._worker_id):
             log.warning("request %s was ended elsewhere", request.request_id)
             return
-        try:
-            await asyncio.to_thread(
-                usage.record,
-                self._db,
-                request,
-                finish_reason=output.finish_reason,
-                num_output_tokens=output.num_output_tokens,
-                num_computed_tokens=output.num_computed_tokens,
-            )
-        except Exception:
-            # Not acknowledged: the entry stays pending and its usage is retried on reclaim.
-            log.exception("usage record failed for %s", request.request_id)
-            is_recorded = False
-        else:
-            is_recorded = True
+        if not await self._record_usage(request, output):
+            # Give the end back and leave the entry pending, unrefreshed: once the heartbeat
+            # timeout passes, a worker reclaims it and ends the request, recording its usage.
+            await self._journal.release_end(request.request_id, self._worker_id)
+            return
         # Before the final event: a client that sends its next request on `[DONE]` must find
         # the in-flight slot free and the unused tokens back.
         await self._settle(request, output)
@@ -143,8 +141,30 @@ class Publisher:
         await self._journal.append_end(
             request.request_id, self._worker_id, self._final_event(output)
         )
-        if is_recorded:
-            await self._intake.ack(flight.entry)
+        await self._intake.ack(flight.entry)
+
+    async def _record_usage(self, request: QueuedRequest, output: SequenceOutput) -> bool:
+        """Write the usage, retrying with backoff while the database is unavailable (the
+        client waits for its final event meanwhile); False if it never came back."""
+        delay_s, deadline_s = 0.1, time.monotonic() + self._usage_retry_s
+        while True:
+            try:
+                await asyncio.to_thread(
+                    usage.record,
+                    self._db,
+                    request,
+                    finish_reason=output.finish_reason,
+                    num_output_tokens=output.num_output_tokens,
+                    num_computed_tokens=output.num_computed_tokens,
+                )
+                return True
+            except Exception:
+                if time.monotonic() + delay_s > deadline_s:
+                    log.exception("usage of %s not recorded", request.request_id)
+                    return False
+                log.warning("usage of %s not recorded yet; retrying", request.request_id)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
 
     async def _dead_letter(self, request: QueuedRequest, output: SequenceOutput) -> None:
         fields = {**request.to_fields(), "error": output.error.message}

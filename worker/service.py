@@ -92,7 +92,9 @@ class Worker:
             is_fair = engine_config.batching == "continuous" and engine_config.queueing == "fair"
             intake = Intake(redis, self._deployment.model_id, self.worker_id, is_fair=is_fair)
             journal = Journal(redis, self._settings.journal_ttl_s)
-            publisher = Publisher(redis, self._db, intake, journal, self.worker_id)
+            publisher = Publisher(
+                redis, self._db, intake, journal, self.worker_id, self._settings.usage_retry_s
+            )
             reclaimer = Reclaimer(
                 redis, intake, journal, self._db, self.worker_id, self._heartbeat_timeout_s
             )

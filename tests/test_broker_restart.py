@@ -1,0 +1,75 @@
+"""The broker restarts (kill -9, then start again on its append-only file): accepted requests
+survive, and the API and the worker reconnect with backoff and carry on. A Redis, API and
+worker of this test's own, so the session's servers are not disturbed."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import redis
+
+from shared import keys
+from shared.redis_server import EmbeddedRedis, free_port
+from tests.conftest import _spawn, _stop
+from tests.helpers import auth
+
+NUM_REQUESTS = 4
+
+
+def _wait_worker_ready(url: str, timeout_s: float = 120) -> None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            for key in client.scan_iter(keys.worker_heartbeat_pattern()):
+                if client.hget(key, "state") == b"ready":
+                    return
+            time.sleep(0.1)
+        raise AssertionError("worker not ready")
+    finally:
+        client.close()
+
+
+def test_queued_requests_survive_a_broker_restart(
+    env, home, tmp_path, start_api, tiny_deployment, make_tenant
+):
+    tenant_id, key = make_tenant("restart")
+    server = EmbeddedRedis(tmp_path / "redis", port=free_port()).start()
+    own_env = env | {"REDIS_URL": server.url}
+    worker = None
+    try:
+        url = start_api({"REDIS_URL": server.url}).url
+        body = {"model": tiny_deployment.model_id, "prompt": "go", "max_tokens": 16}
+        with ThreadPoolExecutor(NUM_REQUESTS) as pool:
+            answers = [
+                pool.submit(
+                    httpx.post, f"{url}/v1/completions", json=body, headers=auth(key), timeout=120
+                )
+                for _ in range(NUM_REQUESTS)
+            ]
+            client = redis.Redis.from_url(server.url)
+            stream = keys.tenant_stream(tiny_deployment.model_id, tenant_id)
+            deadline = time.monotonic() + 30
+            while client.xlen(stream) < NUM_REQUESTS:  # accepted and queued: no worker yet
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            client.close()
+            time.sleep(1.5)  # the append-only file is fsynced every second
+            server._process.kill()  # kill -9
+            server._process.wait()
+            server.start()  # same port, same directory: it replays the append-only file
+            worker = _spawn(
+                ["worker", "--model", tiny_deployment.model_id, "--dtype", "float32"],
+                own_env,
+                home / "worker-restart.log",
+            )
+            _wait_worker_ready(server.url)
+            responses = [a.result(timeout=120) for a in answers]
+        assert [r.status_code for r in responses] == [200] * NUM_REQUESTS, responses[0].text
+        assert all(r.json()["usage"]["completion_tokens"] == 16 for r in responses)
+    finally:
+        if worker is not None:
+            _stop(worker)
+        server.stop()
