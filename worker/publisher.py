@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from shared import keys, quota, usage
 from shared.journal import Journal
@@ -145,7 +146,8 @@ class Publisher:
 
     async def _record_usage(self, request: QueuedRequest, output: SequenceOutput) -> bool:
         """Write the usage, retrying with backoff while the database is unavailable (the
-        client waits for its final event meanwhile); False if it never came back."""
+        client waits for its final event meanwhile); False if it never came back. A write
+        the database rejects (an integrity error) is logged, not retried: it cannot pass."""
         delay_s, deadline_s = 0.1, time.monotonic() + self._usage_retry_s
         while True:
             try:
@@ -158,13 +160,16 @@ class Publisher:
                     num_computed_tokens=output.num_computed_tokens,
                 )
                 return True
-            except Exception:
+            except (OperationalError, InterfaceError):
                 if time.monotonic() + delay_s > deadline_s:
                     log.exception("usage of %s not recorded", request.request_id)
                     return False
                 log.warning("usage of %s not recorded yet; retrying", request.request_id)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 5.0)
+            except Exception:
+                log.exception("usage of %s rejected by the database", request.request_id)
+                return True
 
     async def _dead_letter(self, request: QueuedRequest, output: SequenceOutput) -> None:
         fields = {**request.to_fields(), "error": output.error.message}
