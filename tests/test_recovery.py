@@ -8,13 +8,18 @@ import contextlib
 import json
 import signal
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from redis.exceptions import ResponseError
+from sqlmodel import Session, select
 
 from shared import deployments, keys
+from shared.protocol import decode_event
+from shared.tables import UsageRecord
+from tests.factories import make_request
 from tests.helpers import auth, stream
 from tests.test_lifecycle import _wait_for_usage
 
@@ -194,3 +199,33 @@ def test_a_request_past_its_deadline_ends_with_finish_reason_deadline(
     assert result.has_done
     assert result.finish_reasons[-1] == "deadline"
     assert 0 < result.usage["completion_tokens"] < 1000
+
+
+def test_a_request_delivered_twice_yields_one_stream_and_one_usage_record(
+    tiny_worker, tiny_deployment, make_tenant, rdb, db
+):
+    tenant_id, _ = make_tenant("twice")
+    request = make_request(0, list(range(1000, 1010)), 40, tenant_id=tenant_id)
+    request = request.model_copy(
+        update={"request_id": f"cmpl-{uuid.uuid4().hex}", "model": tiny_deployment.model_id}
+    )
+    stream_key = keys.tenant_stream(request.model, tenant_id)
+    rdb.sadd(keys.model_tenants(request.model), tenant_id)
+    for _ in range(2):  # the same request twice: a reclaim race, a hand-back racing a worker
+        rdb.xadd(stream_key, request.to_fields())
+    deadline = time.monotonic() + 60
+    while not rdb.exists(keys.request_done(request.request_id)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    record = _wait_for_usage(db, request.request_id)
+    events = [decode_event(f[b"e"]) for _, f in rdb.xrange(keys.request_events(request.request_id))]
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert [e.type for e in events].count("final") == 1 and events[-1].type == "final"
+    with Session(db) as session:
+        rows = session.exec(
+            select(UsageRecord).where(UsageRecord.request_id == request.request_id)
+        ).all()
+    assert len(rows) == 1 and record.output_tokens == 40
+    while rdb.xpending(stream_key, keys.WORKER_GROUP)["pending"] or rdb.xlen(stream_key):
+        assert time.monotonic() < deadline + 30, "the second delivery was never acknowledged"
+        time.sleep(0.2)
