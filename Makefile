@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint venv clean test-tools chromium promtool
+.PHONY: run test test-fast chaos lint venv clean test-tools chromium promtool
 
 venv: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ test: venv test-tools
 
 test-fast: venv test-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The chaos suite at full size: 500 requests per scenario (`make test` runs 64 each).
+CHAOS_REQUESTS ?= 500
+chaos: venv
+	LLMFLEET_CHAOS_REQUESTS=$(CHAOS_REQUESTS) $(PY) -m pytest tests/chaos $(PYTEST_ARGS)
 
 # Tools some tests drive, from Debian's packages; each step runs only where the tool is missing,
 # and a machine without apt (or root) goes on: those tests then skip, saying why.

@@ -50,7 +50,12 @@ async def create_tenant(request: Request) -> Response:
 def _create_tenant(ctx: ApiContext, body: TenantCreateBody) -> tuple[Tenant, IssuedKey | None]:
     try:
         tenant = tenants.create_tenant(
-            ctx.engine, body.name, tier=body.tier, weight=body.weight, limits=body.limits()
+            ctx.engine,
+            body.name,
+            tier=body.tier,
+            weight=body.weight,
+            limits=body.limits(),
+            content_retention_days=body.content_retention_days,
         )
     except TenantNameTaken:
         raise APIError(
@@ -130,6 +135,7 @@ def _tenant_json(tenant: Tenant) -> dict:
         "tier": tenant.tier,
         "weight": tenant.weight,
         **{field: getattr(tenant, field) for field in LIMIT_FIELDS},
+        "content_retention_days": tenant.content_retention_days,
         "is_disabled": tenant.is_disabled,
         "created_at": _unix_s(tenant.created_at),
         "updated_at": _unix_s(tenant.updated_at),

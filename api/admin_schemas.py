@@ -33,6 +33,7 @@ class TenantCreateBody(AdminBody):
     tokens_per_minute: Limit = None
     requests_per_minute: Limit = None
     max_tokens_per_request: Limit = None
+    content_retention_days: Limit = None  # days prompts and outputs are kept; null: not stored
     create_key: bool = True  # also issue a first API key, shown in the answer once
 
     def limits(self) -> TenantLimits:
@@ -50,6 +51,7 @@ class TenantUpdateBody(AdminBody):
     tokens_per_minute: Limit = None
     requests_per_minute: Limit = None
     max_tokens_per_request: Limit = None
+    content_retention_days: Limit = None
     is_disabled: bool | None = None
 
     def changes(self) -> dict[str, object]:

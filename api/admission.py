@@ -204,6 +204,7 @@ def _queued(
         tenant_id=principal.tenant_id,
         tier=principal.tier,
         weight=principal.weight,
+        content_retention_days=principal.content_retention_days,
         model=deployment.model_id,
         deployment_id=deployment.id,
         kind=kind,

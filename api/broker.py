@@ -14,6 +14,7 @@ notice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
-from sqlalchemy.engine import Engine
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, recovery
 from shared.journal import Journal
@@ -35,8 +37,11 @@ from shared.protocol import (
     decode_event,
     encode_cancel,
 )
+from shared.settings import Settings
 
 SUBSCRIBE_TIMEOUT_S = 5.0
+# How long a stream waits for the broker to come back before it gives up.
+RESUBSCRIBE_TIMEOUT_S = 30.0
 Event = TokenEvent | FinalEvent | ErrorEvent
 
 
@@ -61,6 +66,20 @@ class RequestInfo:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StreamTiming:
+    """When a silent stream reads the journal (`idle_check_s`), and how long a started
+    request must have been silent before its worker's missing heartbeat means it is lost
+    (`lost_after_s`: a heartbeat missing just after a broker restart is not a dead worker)."""
+
+    idle_check_s: float
+    lost_after_s: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> StreamTiming:
+        return cls(settings.stream_idle_check_s, settings.worker_heartbeat_timeout_s)
+
+
 @dataclass
 class Subscription:
     """A request's event channel, subscribed before the request was enqueued (or before its
@@ -70,28 +89,38 @@ class Subscription:
     pubsub: PubSub
     redis: aioredis.Redis
     journal: Journal
-    db: Engine
-    idle_check_s: float
+    timing: StreamTiming
     next_seq: int = 0
     is_finished: bool = False
     _silent_since_s: float = field(default_factory=time.monotonic)
+    _last_event_s: float = field(default_factory=time.monotonic)
 
     async def events(self) -> AsyncIterator[Event]:
         """Token events from `next_seq` on, then exactly one final or error event."""
-        for event in await self.journal.read_after(self.info.request_id, self.next_seq - 1):
-            if (done := self._accept(event)) is not None:
-                yield done
-            if self.is_finished:
-                return
+        is_catching_up = True  # first, and after a reconnect: what the journal holds
         while not self.is_finished:
-            message = await self.pubsub.get_message(
-                ignore_subscribe_messages=True, timeout=self.idle_check_s
-            )
-            for event in await self._after(message):
+            try:
+                events = await self._next_events(is_catching_up)
+                is_catching_up = False
+            except (RedisConnectionError, RedisTimeoutError):
+                # The broker restarted and redis-py's own reconnect failed (it does not retry
+                # a failed reconnect): subscribe again; the journal holds what was missed.
+                await self._resubscribe()
+                is_catching_up = True
+                continue
+            for event in events:
                 if (accepted := self._accept(event)) is not None:
                     yield accepted
                 if self.is_finished:
                     return
+
+    async def _next_events(self, is_catching_up: bool) -> list[Event]:
+        if is_catching_up:
+            return await self.journal.read_after(self.info.request_id, self.next_seq - 1)
+        message = await self.pubsub.get_message(
+            ignore_subscribe_messages=True, timeout=self.timing.idle_check_s
+        )
+        return await self._after(message)
 
     async def _after(self, message: dict | None) -> list[Event]:
         """The events to hand out after a pub/sub message, or after silence."""
@@ -106,16 +135,31 @@ class Subscription:
 
     async def _after_silence(self) -> list[Event]:
         events = await self.journal.read_after(self.info.request_id, self.next_seq - 1)
-        if events or time.monotonic() - self._silent_since_s < self.idle_check_s:
+        if events or time.monotonic() - self._silent_since_s < self.timing.idle_check_s:
             return events
         await self._end_if_stuck()
         self._silent_since_s = time.monotonic()
         return await self.journal.read_after(self.info.request_id, self.next_seq - 1)
 
+    async def _resubscribe(self) -> None:
+        with anyio.CancelScope(shield=True), contextlib.suppress(RedisConnectionError):
+            await self.pubsub.aclose()
+        deadline_s, delay_s = time.monotonic() + RESUBSCRIBE_TIMEOUT_S, 0.05
+        while True:
+            try:
+                self.pubsub = await _subscribe(self.redis, self.info.request_id)
+                return
+            except (RedisConnectionError, RedisTimeoutError, RuntimeError):
+                if time.monotonic() + delay_s > deadline_s:
+                    raise
+                await anyio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+
     def _accept(self, event: Event) -> Event | None:
         if event.seq < self.next_seq:
             return None  # seen already (from the journal, then from pub/sub)
         self.next_seq = event.seq + 1
+        self._last_event_s = time.monotonic()
         if not isinstance(event, TokenEvent):
             self.is_finished = True
         return event
@@ -131,6 +175,8 @@ class Subscription:
                 return  # waiting; a live worker will reclaim it if its puller died
             code, message = "queue_timeout", "the request waited past its queue deadline"
         else:
+            if time.monotonic() - self._last_event_s < self.timing.lost_after_s:
+                return  # quiet, not yet long enough to tell a dead worker from a pause
             owner = meta.get("owner")
             if owner is None or await self.redis.exists(keys.worker_heartbeat(owner)):
                 return  # its worker is alive
@@ -142,7 +188,6 @@ class Subscription:
         await recovery.end_lost(
             self.redis,
             self.journal,
-            self.db,
             request,
             entry,
             claimer=f"api-{os.getpid()}",
@@ -165,7 +210,7 @@ class Subscription:
 
 
 async def submit(
-    redis: aioredis.Redis, journal: Journal, db: Engine, request: QueuedRequest, idle_check_s: float
+    redis: aioredis.Redis, journal: Journal, request: QueuedRequest, timing: StreamTiming
 ) -> Subscription:
     info = RequestInfo.of(request)
     bind_request(info.request_id, info.tenant_id, info.model)
@@ -187,12 +232,12 @@ async def submit(
         with anyio.CancelScope(shield=True):
             await pubsub.aclose()
         raise
-    return Subscription(info, pubsub, redis, journal, db, idle_check_s)
+    return Subscription(info, pubsub, redis, journal, timing)
 
 
 async def resume(
-    redis: aioredis.Redis, journal: Journal, db: Engine, request_id: str, tenant_id: str,
-    next_seq: int, idle_check_s: float,
+    redis: aioredis.Redis, journal: Journal, request_id: str, tenant_id: str,
+    next_seq: int, timing: StreamTiming,
 ) -> Subscription | None:  # fmt: skip
     """Follow a request's events from `next_seq` (a reconnecting client); None if the
     request is unknown, expired or another tenant's."""
@@ -202,7 +247,7 @@ async def resume(
     info = RequestInfo(request_id, tenant_id, meta["model"], meta["kind"], int(meta["created"]))
     bind_request(info.request_id, info.tenant_id, info.model)
     pubsub = await _subscribe(redis, request_id)
-    return Subscription(info, pubsub, redis, journal, db, idle_check_s, next_seq=next_seq)
+    return Subscription(info, pubsub, redis, journal, timing, next_seq=next_seq)
 
 
 async def _subscribe(redis: aioredis.Redis, request_id: str) -> PubSub:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import date
 
 import anyio
 from sqlmodel import select
@@ -18,7 +19,7 @@ from api.context import ApiContext
 from api.errors import bad_request, not_found
 from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body, read_body
 from api.streaming import chunk_format, collect, sse_events
-from shared import deployments, quota
+from shared import deployments, quota, usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest
 from shared.tables import UsageRecord
@@ -61,7 +62,7 @@ async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription
     """Enqueue an admitted request; if that fails, give back the slots and tokens it took."""
     try:
         return await broker.submit(
-            ctx.redis, ctx.journal, ctx.engine, queued, ctx.settings.stream_idle_check_s
+            ctx.redis, ctx.journal, queued, broker.StreamTiming.of(ctx.settings)
         )
     except BaseException:
         # Shielded: a handler cancelled mid-enqueue must still release its admission.
@@ -85,11 +86,10 @@ async def request_events(request: Request) -> Response:
     subscription = await broker.resume(
         ctx.redis,
         ctx.journal,
-        ctx.engine,
         request_id,
         principal.tenant_id,
         next_seq,
-        ctx.settings.stream_idle_check_s,
+        broker.StreamTiming.of(ctx.settings),
     )
     # Another tenant's request and one that does not exist (or expired) look the same.
     if subscription is None:
@@ -155,6 +155,39 @@ def _usage_of(ctx: ApiContext, tenant_id: str, request_id: str) -> UsageRecord |
         ).first()
 
 
+async def usage_report(request: Request) -> Response:
+    """The caller's usage per model and day, `start` to `end` (YYYY-MM-DD, both included)."""
+    ctx = _ctx(request)
+    principal = await authenticate(request, ctx)
+    start, end = _day_param(request, "start"), _day_param(request, "end")
+    if end < start:
+        raise bad_request("`end` is before `start`.")
+    rows = await run_in_threadpool(usage.totals, ctx.engine, start, end, principal.tenant_id)
+    data = [
+        {
+            "model": row.model_id,
+            "version": row.version,
+            "day": row.day.isoformat(),
+            "num_requests": row.num_requests,
+            "input_tokens": row.input_tokens,
+            "output_tokens": row.output_tokens,
+            "computed_tokens": row.computed_tokens,
+        }
+        for row in rows
+    ]
+    return JSONResponse(
+        {"object": "list", "start": start.isoformat(), "end": end.isoformat(), "data": data}
+    )
+
+
+def _day_param(request: Request, name: str) -> date:
+    value = request.query_params.get(name)
+    try:
+        return date.fromisoformat(value or "")
+    except ValueError:
+        raise bad_request(f"`{name}` must be a date, YYYY-MM-DD.", param=name) from None
+
+
 async def healthz(request: Request) -> Response:
     await _ctx(request).redis.ping()
     return JSONResponse({"status": "ok"})
@@ -164,6 +197,7 @@ routes = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/usage", usage_report, methods=["GET"]),
     Route("/v1/requests/{request_id}/usage", request_usage, methods=["GET"]),
     Route("/v1/requests/{request_id}/events", request_events, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),

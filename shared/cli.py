@@ -18,9 +18,11 @@ app = typer.Typer(help="llmfleet: multi-tenant LLM serving.", no_args_is_help=Tr
 tenant_app = typer.Typer(help="Tenants and their API keys.", no_args_is_help=True)
 model_app = typer.Typer(help="Model deployments.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys of tenants.", no_args_is_help=True)
+usage_app = typer.Typer(help="The usage ledger: reports and tamper checks.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
 app.add_typer(model_app, name="model")
+app.add_typer(usage_app, name="usage")
 app.command("bench")(bench_command)
 
 
@@ -162,6 +164,16 @@ def worker(
 
 
 @app.command()
+def control() -> None:
+    """Run the control process: usage into the ledger, retention purges, chain-head exports."""
+    from shared.control import make_worker
+
+    _setup_logging()
+    worker = make_worker(get_settings(), _db())
+    worker.run()  # arq's loop; SIGTERM and SIGINT stop it after the running jobs
+
+
+@app.command()
 def redis() -> None:
     """Run the embedded redis-server in the foreground (on the unix socket under the home dir)."""
     from shared.redis_server import EmbeddedRedis
@@ -214,6 +226,13 @@ MaxTokensPerRequest = Annotated[
     typer.Option("--max-tokens-per-request", min=0, help="Cap on max_tokens; 0 = unlimited."),
 ]
 
+RetentionDays = Annotated[
+    int | None,
+    typer.Option(
+        "--retention-days", min=0, help="Days prompts and outputs are kept; 0 = not stored."
+    ),
+]
+
 
 def _limit_changes(
     max_in_flight: int | None,
@@ -243,6 +262,7 @@ def tenant_create(
     tpm: TokensPerMinute = None,
     rpm: RequestsPerMinute = None,
     max_tokens_per_request: MaxTokensPerRequest = None,
+    retention_days: RetentionDays = None,
 ) -> None:
     """Create a tenant and print its API key (shown this once). Limits default to unlimited."""
     from shared import tenants
@@ -251,7 +271,12 @@ def tenant_create(
     engine = _db()
     try:
         tenant = tenants.create_tenant(
-            engine, name, tier=tier, weight=weight, limits=tenants.TenantLimits(**limits)
+            engine,
+            name,
+            tier=tier,
+            weight=weight,
+            limits=tenants.TenantLimits(**limits),
+            content_retention_days=retention_days or None,
         )
     except tenants.TenantNameTaken:
         raise typer.BadParameter(f"tenant {name!r} already exists") from None
@@ -272,6 +297,7 @@ def tenant_update(
     tpm: TokensPerMinute = None,
     rpm: RequestsPerMinute = None,
     max_tokens_per_request: MaxTokensPerRequest = None,
+    retention_days: RetentionDays = None,
 ) -> None:
     """Change the given settings of a tenant; the others stay. A limit of 0 makes it unlimited."""
     changes = _limit_changes(max_in_flight, max_queued, tpm, rpm, max_tokens_per_request)
@@ -279,6 +305,8 @@ def tenant_update(
         changes["tier"] = tier
     if weight is not None:
         changes["weight"] = weight
+    if retention_days is not None:
+        changes["content_retention_days"] = retention_days or None
     _change_tenant(name, **changes)
 
 
@@ -420,6 +448,63 @@ def model_list() -> None:
 
     for d in deployments.list_active(_db()):
         typer.echo(f"{d.model_id}\tv{d.version}\t{d.max_context_tokens} ctx\t{d.source}")
+
+
+@usage_app.command("report")
+def usage_report(
+    start: Annotated[str | None, typer.Option(help="First day, YYYY-MM-DD (UTC).")] = None,
+    end: Annotated[str | None, typer.Option(help="Last day, included; default today.")] = None,
+) -> None:
+    """Usage of all tenants per model and day (by finish time, UTC); default the last 30 days."""
+    from datetime import UTC, date, datetime, timedelta
+
+    from shared import tenants, usage
+
+    last = date.fromisoformat(end) if end else datetime.now(UTC).date()
+    first = date.fromisoformat(start) if start else last - timedelta(days=29)
+    engine = _db()
+    names = {t.id: t.name for t in tenants.list_tenants(engine)}
+    rows = [_usage_row(names, total) for total in usage.totals(engine, first, last)]
+    header = ["TENANT", "MODEL", "DAY", "REQUESTS", "INPUT", "OUTPUT", "COMPUTED"]
+    _print_table(header, rows)
+
+
+def _usage_row(names: dict[str, str], total) -> list:
+    tenant = names.get(total.tenant_id, total.tenant_id)
+    counts = [total.num_requests, total.input_tokens, total.output_tokens, total.computed_tokens]
+    return [tenant, f"{total.model_id} v{total.version}", total.day, *counts]
+
+
+@usage_app.command("verify")
+def usage_verify(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's chain (by name).")] = None,
+    heads: Annotated[
+        list[Path] | None, typer.Option(help="Exported head files to check against, too.")
+    ] = None,
+) -> None:
+    """Check every usage chain: prints OK, or the first record edited, deleted, inserted or
+    reordered in each chain (and chains rewritten since a head export); exits 1 then."""
+    from shared import ledger
+
+    engine = _db()
+    tenant_id = _tenant_id(engine, tenant) if tenant else None
+    exports = [ledger.read_export_file(path) for path in heads or []]
+    problems = ledger.verify(engine, get_settings().ledger_key, tenant_id, exports)
+    for problem in problems:
+        typer.echo(str(problem))
+    if problems:
+        raise typer.Exit(1)
+    typer.echo("OK")
+
+
+@usage_app.command("export-heads")
+def usage_export_heads() -> None:
+    """Sign and store every chain's head now (the control process does it periodically)."""
+    from shared import ledger
+
+    settings = get_settings()
+    export = ledger.export_heads(_db(), settings.ledger_key, settings.ledger_heads_dir)
+    typer.echo(f"heads exported: {settings.ledger_heads_dir / f'heads-{export.id:08d}.json'}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""The SQL engine: SQLite under the home directory by default, PostgreSQL (psycopg) via DATABASE_URL."""
+"""The SQL engine: SQLite under the home directory by default, PostgreSQL (psycopg) via
+DATABASE_URL; the schema comes from the alembic migrations in `shared/migrations/`."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
-from sqlmodel import Session, SQLModel, create_engine
+from sqlalchemy.exc import DBAPIError
+from sqlmodel import Session, create_engine
 
 from shared import tables  # noqa: F401  (registers the tables on SQLModel.metadata)
 from shared.settings import Settings
@@ -33,15 +38,33 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def alembic_config(engine: Engine) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # configparser reads `%` as interpolation: a password may hold one.
+    url = engine.url.render_as_string(hide_password=False).replace("%", "%%")
+    config.set_main_option("sqlalchemy.url", url)
+    return config
+
+
 def create_schema(engine: Engine) -> None:
-    """Create missing tables. Processes that start together may race here; the loser retries."""
-    for attempt in range(3):
+    """Upgrade the schema to the newest migration (`shared/migrations/versions`). Processes
+    that start together may race here (both see an old version, one loses on a table or
+    version row the other created); the loser retries and finds nothing left to do."""
+    for attempt in range(5):
         try:
-            SQLModel.metadata.create_all(engine)
+            with engine.begin() as connection:
+                config = alembic_config(engine)
+                config.attributes["connection"] = connection
+                command.upgrade(config, "head")
             return
-        except OperationalError:
-            if attempt == 2:
+        except DBAPIError:
+            if attempt == 4:
                 raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 @contextmanager

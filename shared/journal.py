@@ -7,6 +7,8 @@ that publishes it. With the journal:
 
 - a reader that sees a gap in `seq`, or no end, reads what it missed from the journal;
 - a client that reconnects with `Last-Event-ID` (to any API replica) replays from it;
+- every script is idempotent for its caller: the Redis client retries a command whose
+  connection broke, possibly after it ran, and the retry must not look like a refusal;
 - a request has exactly one end: whoever ends it (its worker, a worker reclaiming a dead
   worker's entries, an API replica that finds its worker dead) first claims
   `llmfleet:done:{id}` with SET NX, then records the usage, then appends the terminal
@@ -29,8 +31,14 @@ from shared.protocol import ErrorEvent, Event, FinalEvent, TokenEvent, decode_ev
 # Returns 1 if appended (and published), 0 if the request is ending or `seq` was taken.
 _APPEND_LUA = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-local added = redis.pcall('XADD', KEYS[1], '0-' .. (tonumber(ARGV[2]) + 1), 'e', ARGV[3])
-if type(added) == 'table' and added.err then return 0 end
+local id = '0-' .. (tonumber(ARGV[2]) + 1)
+local added = redis.pcall('XADD', KEYS[1], id, 'e', ARGV[3])
+if type(added) == 'table' and added.err then
+  -- The very same event is there: this call is a client's retry of one that ran.
+  local existing = redis.call('XRANGE', KEYS[1], id, id)
+  if #existing == 1 and existing[1][2][2] == ARGV[3] then return 1 end
+  return 0
+end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('PUBLISH', ARGV[1], ARGV[3])
 return 1
@@ -42,7 +50,11 @@ _APPEND_END_LUA = """
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 0 end
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local seq = 0
-if #last > 0 then seq = tonumber(string.match(last[1][1], '%-(%d+)$')) end
+if #last > 0 then
+  -- Already ended by this claimer: this call is a client's retry of one that ran.
+  if cjson.decode(last[1][2][2])['type'] ~= 'token' then return 1 end
+  seq = tonumber(string.match(last[1][1], '%-(%d+)$'))
+end
 local event = cjson.decode(ARGV[3])
 event['seq'] = seq
 local data = cjson.encode(event)
@@ -53,6 +65,13 @@ redis.call('PUBLISH', ARGV[1], data)
 return 1
 """
 
+
+# KEYS: done marker. ARGV: claimer, ttl s. 1 if the end is the claimer's (now or already).
+_CLAIM_END_LUA = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end
+return 0
+"""
 
 _RELEASE_END_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
@@ -67,6 +86,7 @@ class Journal:
         self._append = redis.register_script(_APPEND_LUA)
         self._append_end = redis.register_script(_APPEND_END_LUA)
         self._release_end = redis.register_script(_RELEASE_END_LUA)
+        self._claim_end = redis.register_script(_CLAIM_END_LUA)
 
     async def append(self, request_id: str, event: TokenEvent) -> bool:
         """Append and publish a token event; False if the request is ending or `seq` was
@@ -95,7 +115,7 @@ class Journal:
         """Become the one who ends the request (records its usage, appends its terminal
         event); False if someone else has. From here on, no token event is appended."""
         done = keys.request_done(request_id)
-        return bool(await self._redis.set(done, claimer, nx=True, ex=self.ttl_s))
+        return bool(await self._claim_end(keys=[done], args=[claimer, self.ttl_s]))
 
     async def release_end(self, request_id: str, claimer: str) -> None:
         """Give back a claimed end that could not be completed (its usage not recorded)."""

@@ -22,6 +22,10 @@ Layout (all under the `llmfleet:` prefix):
                                   failed on them alone, with the error, for operators.
 - `llmfleet:request:{request_id}` hash with a TTL: tenant, model, kind, created, and the worker
                                   that owns it once pulled; resume and recovery read it.
+- `llmfleet:control`             sorted set: arq's queue of control-process jobs (usage events);
+                                  arq keeps each job under its own `arq:job:{id}`,
+                                  `arq:result:{id}`, `arq:in-progress:{id}`, `arq:retry:{id}`
+                                  keys, with ids `usage:{request_id}` (`shared/control.py`).
 - `llmfleet:latency:{model}:{kind}` list: a model's latest TTFT or ITL samples (`kind` = `ttft` or
                                   `itl`), newest first, capped; workers write, `/dashboard` and
                                   `llmfleet status` read (`shared/latency_window.py`).
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 PREFIX = "llmfleet"
 WORKER_GROUP = "workers"
+CONTROL_QUEUE = f"{PREFIX}:control"
 
 
 def tenant_stream(model: str, tenant: str) -> str:

@@ -46,6 +46,9 @@ class QueuedRequest(BaseModel):
     # not finished by then, it ends with finish reason `deadline`.
     queue_deadline_ts: float | None = None
     deadline_ts: float | None = None
+    # The tenant's retention policy when it was admitted: days its prompt and output are
+    # kept (sent with its usage event); None: they are never stored.
+    content_retention_days: int | None = None
 
     def to_fields(self) -> dict[str, str]:
         return {"body": self.model_dump_json()}
@@ -54,6 +57,28 @@ class QueuedRequest(BaseModel):
     def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> QueuedRequest:
         body = fields.get(b"body", fields.get("body"))
         return cls.model_validate_json(body)
+
+
+class UsageEvent(BaseModel):
+    """A finished request's usage, from whoever ended it to the control process (an arq job
+    argument, JSON) that writes it to the ledger once (`shared/usage.py`)."""
+
+    request_id: str
+    tenant_id: str
+    deployment_id: int
+    kind: Literal["completion", "chat"]
+    sampling: SamplingParams
+    input_tokens: int
+    output_tokens: int  # delivered: what is billed
+    computed_tokens: int  # prompt, decodes and recompute after preemptions: the cost
+    finish_reason: str  # stop | length | cancelled | deadline | error
+    arrival_ts: float
+    finished_ts: float
+    # Only under a retention policy: the prompt (token ids: the publisher holds no
+    # tokenizer) and the output text, kept `content_retention_days`.
+    content_retention_days: int | None = None
+    prompt_token_ids: list[int] | None = None
+    output_text: str | None = None
 
 
 class Usage(BaseModel):

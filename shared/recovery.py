@@ -3,20 +3,18 @@
 Two places notice: a worker whose `XAUTOCLAIM` picks up a dead worker's entry
 (`worker/recovery.py`), and an API replica whose stream went silent while the request's
 owner stopped heartbeating (`api/broker.py`). Whichever claims the end first
-(`Journal.claim_end`) records the usage (what was delivered), settles the tenant's
-admission, appends the error event (`worker_lost`) and acknowledges the entry; the other
-finds the end claimed and does nothing.
+(`Journal.claim_end`) hands the usage (what was delivered) to the control process, settles
+the tenant's admission, appends the error event (`worker_lost`) and acknowledges the entry;
+the other finds the end claimed and does nothing.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import redis.asyncio as aioredis
-from sqlalchemy.engine import Engine
 
-from shared import keys, quota, usage
+from shared import control, keys, quota, usage
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, QueuedRequest, TokenEvent
 
@@ -26,7 +24,6 @@ log = logging.getLogger("llmfleet.recovery")
 async def end_lost(
     redis: aioredis.Redis,
     journal: Journal,
-    db: Engine,
     request: QueuedRequest,
     entry: tuple[str, str] | None,
     *,
@@ -41,15 +38,15 @@ async def end_lost(
         return False
     events = await journal.read_after(request_id, -1)
     num_delivered = sum(e.num_tokens for e in events if isinstance(e, TokenEvent))
+    event = usage.usage_event(
+        request,
+        finish_reason="error",
+        num_output_tokens=num_delivered,
+        num_computed_tokens=len(request.prompt_token_ids) + num_delivered,
+        output_text="".join(e.text for e in events if isinstance(e, TokenEvent)),
+    )
     try:
-        await asyncio.to_thread(
-            usage.record,
-            db,
-            request,
-            finish_reason="error",
-            num_output_tokens=num_delivered,
-            num_computed_tokens=len(request.prompt_token_ids) + num_delivered,
-        )
+        await control.enqueue_usage(redis, event)
     except Exception:
         # Give the end back: whoever tries next (the entry stays pending) records it.
         log.exception("usage of lost request %s not recorded; will retry", request_id)

@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     # Server-side secret mixed into API-key hashes. Without one, a random pepper is
     # generated once and kept in the home directory (development only).
     key_pepper: str | None = None
+    # HMAC key of the usage ledger's chains and signed head exports (`shared/ledger.py`).
+    # Without one, a random key is generated once and kept in the home directory (development
+    # only). Changing it makes every existing chain fail `llmfleet usage verify`.
+    ledger_secret: str | None = Field(default=None, min_length=16)
     # Bearer credential of the `/admin/v1` API. Without one, a random key is generated once
     # and kept in the home directory (development only); `llmfleet admin-key` prints it.
     admin_key: str | None = Field(default=None, min_length=16)
@@ -58,8 +62,9 @@ class Settings(BaseSettings):
     worker_heartbeat_timeout_s: float = 6.0
     # SIGTERM: how long running requests may take to finish before they end `worker_shutdown`.
     worker_drain_timeout_s: float = 30.0
-    # How long a worker retries a usage write while the database is unavailable (the
-    # client's final event waits); after that the request is ended by recovery.
+    # How long a worker retries handing a finished request's usage to Redis (an arq job for
+    # the control process) while Redis is unavailable (the client's final event waits);
+    # after that the request is ended by recovery.
     usage_retry_s: float = 60.0
     # How long a request's journal (its events, for resume and recovery) outlives its last event.
     journal_ttl_s: int = 3600
@@ -104,6 +109,20 @@ class Settings(BaseSettings):
         if not path.exists():
             _create_once(path, secrets.token_hex(32))
         return path.read_text().strip().encode()
+
+    @cached_property
+    def ledger_key(self) -> bytes:
+        if self.ledger_secret:
+            return self.ledger_secret.encode()
+        path = self.home / "secrets" / "ledger_secret"
+        if not path.exists():
+            _create_once(path, secrets.token_hex(32))
+        return path.read_text().strip().encode()
+
+    @property
+    def ledger_heads_dir(self) -> Path:
+        """Where signed chain-head exports are written, for an operator to ship off the box."""
+        return self.home / "ledger" / "heads"
 
     @cached_property
     def admin_secret(self) -> str:

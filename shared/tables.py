@@ -31,6 +31,8 @@ class Tenant(SQLModel, table=True):
     tokens_per_minute: int | None = None  # prompt + max_tokens reserved, settled on completion
     requests_per_minute: int | None = None
     max_tokens_per_request: int | None = None  # cap on a request's `max_tokens`
+    # Days a request's prompt and output are kept (`RequestContent`); None: never stored.
+    content_retention_days: int | None = None
     is_disabled: bool = False
     created_at: datetime = Field(default_factory=utcnow)
     updated_at: datetime = Field(default_factory=utcnow)
@@ -73,6 +75,10 @@ class InferenceRequest(SQLModel, table=True):
 
 
 class UsageRecord(SQLModel, table=True):
+    """One billed request, and one link of its tenant's tamper-evident chain (`shared/ledger.py`)."""
+
+    __table_args__ = (UniqueConstraint("tenant_id", "seq"),)
+
     id: int | None = Field(default=None, primary_key=True)
     request_id: str = Field(foreign_key="inferencerequest.id", unique=True, index=True)
     tenant_id: str = Field(foreign_key="tenant.id", index=True)
@@ -81,4 +87,37 @@ class UsageRecord(SQLModel, table=True):
     output_tokens: int  # delivered: what is billed
     computed_tokens: int = 0  # prompt, decodes and recompute after preemptions: the cost
     finish_reason: str
+    arrived_at: datetime
+    finished_at: datetime
     created_at: datetime = Field(default_factory=utcnow)
+    seq: int  # position in the tenant's chain: 1, 2, 3... without gaps
+    prev_link: str  # the previous record's `link` ("" for the first)
+    link: str  # HMAC(ledger secret, canonical record + seq + prev_link), hex
+
+
+class UsageChainHead(SQLModel, table=True):
+    """The last link of a tenant's chain, updated with each append (and locked by it)."""
+
+    tenant_id: str = Field(foreign_key="tenant.id", primary_key=True)
+    seq: int
+    link: str
+
+
+class ChainHeadExport(SQLModel, table=True):
+    """A signed snapshot of every chain head; the same document is written to a file to ship
+    off the box, so that a rewrite of a whole chain after it is detectable."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    document: str  # canonical JSON: {"exported_at", "heads": [{tenant_id, seq, link}]}
+    signature: str  # HMAC(ledger secret, document), hex
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class RequestContent(SQLModel, table=True):
+    """A request's prompt and output, kept only under its tenant's retention policy."""
+
+    request_id: str = Field(foreign_key="inferencerequest.id", primary_key=True)
+    tenant_id: str = Field(foreign_key="tenant.id", index=True)
+    prompt_token_ids_json: str  # JSON list: the worker that ends a request has no tokenizer
+    output: str
+    expires_at: datetime = Field(index=True)

@@ -29,7 +29,7 @@ LIMIT_FIELDS = (
     "max_tokens_per_request",
 )
 # What an administrator may change on a tenant (its name and id are fixed).
-UPDATABLE_FIELDS = ("tier", "weight", *LIMIT_FIELDS, "is_disabled")
+UPDATABLE_FIELDS = ("tier", "weight", *LIMIT_FIELDS, "content_retention_days", "is_disabled")
 # Settings are SQL INTEGER columns, 32-bit on PostgreSQL.
 MAX_SETTING_VALUE = 2**31 - 1
 
@@ -64,6 +64,7 @@ class Principal:
     tier: int = 1
     weight: int = 1
     limits: TenantLimits = TenantLimits()
+    content_retention_days: int | None = None  # None: prompts and outputs are not stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,8 @@ def _field_problem(field: str, value: object) -> str | None:
         return None if isinstance(value, bool) else "must be true or false"
     if field in LIMIT_FIELDS and value is None:
         return None  # unlimited
+    if field == "content_retention_days" and value is None:
+        return None  # prompts and outputs not stored
     low = 0 if field == "tier" else 1
     if _is_int_in(value, low, MAX_SETTING_VALUE):
         return None
@@ -140,11 +143,13 @@ def create_tenant(
     tier: int = 1,
     weight: int = 1,
     limits: TenantLimits = TenantLimits(),
+    content_retention_days: int | None = None,
 ) -> Tenant:
     """Create a tenant; TenantNameTaken if the name is in use (the unique index decides races)."""
-    check_tenant_fields({"tier": tier, "weight": weight, **asdict(limits)})
+    settings = {"tier": tier, "weight": weight, "content_retention_days": content_retention_days}
+    check_tenant_fields({**settings, **asdict(limits)})
     with session_scope(engine) as session:
-        tenant = Tenant(name=name, tier=tier, weight=weight, **asdict(limits))
+        tenant = Tenant(name=name, **settings, **asdict(limits))
         session.add(tenant)
         try:
             session.commit()
@@ -254,4 +259,5 @@ def authenticate(engine: Engine, key: str, pepper: bytes) -> Principal | None:
         tier=tenant.tier,
         weight=tenant.weight,
         limits=TenantLimits.of(tenant),
+        content_retention_days=tenant.content_retention_days,
     )

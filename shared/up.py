@@ -1,8 +1,9 @@
 """`llmfleet up`: the whole platform on one machine, on embedded defaults.
 
-Starts the embedded Redis (unless REDIS_URL is set), prepares the database, starts the API
-and one worker as child processes (logs under `<home>/logs/`), shows progress while the
-model loads, then prints the URL, a development API key and the admin key and waits for Ctrl-C.
+Starts the embedded Redis (unless REDIS_URL is set), prepares the database, starts the API,
+the control process and one worker as child processes (logs under `<home>/logs/`), shows
+progress while the model loads, then prints the URL, a development API key and the admin key
+and waits for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ def run_local(settings: Settings, *, model: str, batching: str) -> None:
                 deployments.ensure_default(engine)
             key = _dev_key(settings, engine)
         api = stack.spawn("api", "api")
+        control = stack.spawn("control", "control")
         worker = stack.spawn("worker", "worker", "--model", model, "--batching", batching)
         _wait_until_ready(stack, api, worker, model)
         _print_ready(console, settings, key, model)
-        while all(p.poll() is None for p in (api, worker)):
+        while all(p.poll() is None for p in (api, control, worker)):
             time.sleep(0.5)
         console.print("[red]a process exited; see the logs under[/red]", settings.home / "logs")
     except KeyboardInterrupt:

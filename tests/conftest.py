@@ -203,7 +203,24 @@ async def aredis(redis_server):
 
 
 @pytest.fixture(scope="session")
-def start_worker(env, home, redis_server):
+def control_process(env, home, settings, db) -> Iterator[subprocess.Popen]:
+    """The control process (usage into the ledger), once it has run its startup jobs: every
+    test with a worker has one, since finished requests reach SQL only through it."""
+    log_path = home / "control.log"
+    num_exports = len(list(settings.ledger_heads_dir.glob("heads-*.json")))
+    process = _spawn(["control"], env, log_path)
+    deadline = time.monotonic() + PROCESS_START_TIMEOUT_S
+    while len(list(settings.ledger_heads_dir.glob("heads-*.json"))) == num_exports:
+        if process.poll() is not None or time.monotonic() > deadline:
+            _stop(process)
+            raise RuntimeError(f"control process not ready:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    yield process
+    _stop(process)
+
+
+@pytest.fixture(scope="session")
+def start_worker(env, home, redis_server, control_process):
     """Factory: start a worker process for a model and wait until it reports ready."""
     started: list[subprocess.Popen] = []
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 import httpx
+from sqlmodel import Session, select
+
+from shared.tables import UsageRecord
 
 
 @dataclass
@@ -72,3 +76,28 @@ def stream(
             else:
                 result.chunks.append(json.loads(data))
     return result
+
+
+def get_usage(url: str, key: str, request_id: str, timeout_s: float = 30) -> httpx.Response:
+    """GET a request's usage, waiting while it is 404: a finished request's usage reaches
+    SQL through the control process, shortly after `[DONE]`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.get(f"{url}/v1/requests/{request_id}/usage", headers=auth(key))
+        if response.status_code != 404 or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
+
+
+def wait_for_usage_record(db, request_id: str, timeout_s: float = 30) -> UsageRecord:
+    """A request's usage record, once the control process has written it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with Session(db) as session:
+            record = session.exec(
+                select(UsageRecord).where(UsageRecord.request_id == request_id)
+            ).first()
+        if record is not None:
+            return record
+        time.sleep(0.1)
+    raise AssertionError(f"no usage record for {request_id}")

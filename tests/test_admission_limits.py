@@ -18,7 +18,7 @@ from sqlmodel import Session, func, select
 
 from shared import deployments, keys
 from shared.tables import Tenant, UsageRecord
-from tests.helpers import auth
+from tests.helpers import auth, wait_for_usage_record
 
 UNSERVED_MODEL = "tiny-llama-unserved"
 
@@ -158,7 +158,7 @@ def test_a_finished_request_frees_its_in_flight_slot(
         response = _post(api_url, key, body)
         assert response.status_code == 200, response.text
     assert not rdb.exists(keys.tenant_inflight(tenant_id), keys.tenant_queued(tenant_id))
-    assert _num_usage_records(db, tenant_id) == 3
+    assert _wait_until(lambda: _num_usage_records(db, tenant_id) == 3)
 
 
 def test_unused_tokens_come_back_when_a_request_ends(
@@ -184,8 +184,7 @@ def test_unused_tokens_come_back_when_a_request_ends(
         )
     # Hanging up cancelled it; the worker settles what it did not use.
     assert _wait_until(lambda: not rdb.exists(keys.tenant_inflight(tenant_id)))
-    with Session(db) as session:
-        record = session.exec(select(UsageRecord).where(UsageRecord.request_id == request_id)).one()
+    record = wait_for_usage_record(db, request_id)
     assert record.finish_reason == "cancelled" and record.output_tokens < 400
     level = float(rdb.hget(keys.tenant_buckets(tenant_id), "tpm:level"))
     assert level >= tokens_per_minute - record.input_tokens - record.output_tokens - 1

@@ -56,7 +56,8 @@ async def test_one_end_and_nothing_after_it(journal):
 async def _subscription(aredis, journal, rid: str, idle_check_s: float = 0.2):
     info = broker.RequestInfo(rid, "tenant", "model", "completion", 0)
     pubsub = await broker._subscribe(aredis, rid)
-    return broker.Subscription(info, pubsub, aredis, journal, None, idle_check_s)
+    timing = broker.StreamTiming(idle_check_s=idle_check_s, lost_after_s=6.0)
+    return broker.Subscription(info, pubsub, aredis, journal, timing)
 
 
 async def _collect(subscription) -> list:
@@ -109,3 +110,18 @@ async def test_a_resumed_reader_starts_after_the_last_event_it_saw(journal, ared
     await journal.append_end(rid, "w", _final())
     events = await _collect(subscription)
     assert [(e.type, e.seq) for e in events] == [("token", 2), ("final", 3)]
+
+
+async def test_a_retried_call_is_not_taken_for_a_refusal(journal):
+    # The Redis client retries a command whose connection broke, possibly after it ran.
+    rid = uuid.uuid4().hex
+    token = _token(0, "a")
+    assert await journal.append(rid, token)
+    assert await journal.append(rid, token)  # the same event again: fine
+    assert not await journal.append(rid, _token(0, "b"))  # another writer's seq 0: refused
+    assert await journal.claim_end(rid, "w")
+    assert await journal.claim_end(rid, "w")  # the same claimer again: still its end
+    assert await journal.append_end(rid, "w", _final())
+    assert await journal.append_end(rid, "w", _final())  # no second final
+    events = await journal.read_after(rid, -1)
+    assert [(e.type, e.seq) for e in events] == [("token", 0), ("final", 1)]

@@ -7,27 +7,12 @@ import time
 import uuid
 
 import httpx
-from sqlmodel import Session, select
 
 from shared import keys
 from shared.protocol import ErrorEvent, decode_event
-from shared.tables import UsageRecord
 from tests.conftest import TINY_KV_CAPACITY_TOKENS
 from tests.factories import make_request
-from tests.helpers import auth, stream
-
-
-def _wait_for_usage(db, request_id: str, timeout_s: float = 30) -> UsageRecord:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with Session(db) as session:
-            record = session.exec(
-                select(UsageRecord).where(UsageRecord.request_id == request_id)
-            ).first()
-        if record is not None:
-            return record
-        time.sleep(0.1)
-    raise AssertionError(f"no usage record for {request_id}")
+from tests.helpers import auth, stream, wait_for_usage_record
 
 
 def test_client_disconnect_cancels_generation(
@@ -55,7 +40,7 @@ def test_client_disconnect_cancels_generation(
             if received == 3:
                 break
     # Leaving the block closed the connection mid-stream.
-    record = _wait_for_usage(db, request_id)
+    record = wait_for_usage_record(db, request_id)
     assert record.finish_reason == "cancelled"
     assert 3 <= record.output_tokens < max_tokens
     # ...and its KV blocks went back to the pool (the worker reports usage in its heartbeat).

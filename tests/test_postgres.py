@@ -7,6 +7,7 @@ Each run works in a schema of its own, dropped at the end.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -15,7 +16,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, select
 
-from shared import tenants, usage
+from shared import ledger, tenants, usage
 from shared.db import create_schema
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import _with_psycopg_driver
@@ -65,8 +66,52 @@ def test_keys_and_usage_on_postgres(pg):
         arrival_ts=time.time(),
     )
     final = {"finish_reason": "length", "num_output_tokens": 16, "num_computed_tokens": 18}
-    usage.record(pg, request, **final)
-    usage.record(pg, request, **final)  # a second delivery is a no-op
+    assert usage.record(pg, usage.usage_event(request, **final), b"k")
+    assert not usage.record(pg, usage.usage_event(request, **final), b"k")  # a second delivery
     with Session(pg) as session:
         rows = session.exec(select(UsageRecord).where(UsageRecord.request_id == "cmpl-pg")).all()
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [(3, 16)]
+
+
+def test_migrations_match_the_tables_on_postgres(pg):
+    from tests.test_migrations import schema_diff
+
+    assert schema_diff(pg) == []
+
+
+def test_concurrent_appends_keep_one_chain_on_postgres(pg):
+    tenant = tenants.create_tenant(pg, "pg-ledger")
+    with Session(pg) as session:
+        deployment = ModelDeployment(model_id="m-ledger", source="x", max_context_tokens=100)
+        session.add(deployment)
+        session.commit()
+        deployment_id = deployment.id
+
+    def append(i: int) -> None:
+        request = QueuedRequest(
+            request_id=f"pg-chain-{i}",
+            tenant_id=tenant.id,
+            model="m",
+            deployment_id=deployment_id,
+            kind="completion",
+            prompt_token_ids=[1],
+            sampling=SamplingParams(),
+            arrival_ts=time.time(),
+        )
+        final = {"finish_reason": "stop", "num_output_tokens": i, "num_computed_tokens": i + 1}
+        usage.record(pg, usage.usage_event(request, **final), b"k")
+
+    threads = [threading.Thread(target=append, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with Session(pg) as session:
+        query = select(UsageRecord.seq).where(UsageRecord.tenant_id == tenant.id)
+        assert sorted(session.exec(query).all()) == list(range(1, 9))
+    assert ledger.verify(pg, b"k", tenant.id) == []
+    with pg.begin() as conn:
+        conn.execute(
+            text("UPDATE usagerecord SET input_tokens = 9 WHERE request_id = 'pg-chain-3'")
+        )
+    assert [p.kind for p in ledger.verify(pg, b"k", tenant.id)] == ["edited"]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from shared.model_source import DEFAULT_MODEL_ID
-from tests.helpers import auth, stream
+from tests.helpers import get_usage, stream
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +23,7 @@ def test_streamed_completion_with_real_model(api_url, real_worker, make_tenant):
     assert result.status_code == 200 and result.has_done
     assert "Paris" in result.text
     request_id = result.headers["x-request-id"]
-    usage = httpx.get(f"{api_url}/v1/requests/{request_id}/usage", headers=auth(key)).json()
+    usage = get_usage(api_url, key, request_id).json()
     assert usage["input_tokens"] == result.usage["prompt_tokens"]
     assert usage["output_tokens"] == result.usage["completion_tokens"]
 

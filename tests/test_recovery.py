@@ -20,8 +20,7 @@ from shared import deployments, keys
 from shared.protocol import decode_event
 from shared.tables import UsageRecord
 from tests.factories import make_request
-from tests.helpers import auth, stream
-from tests.test_lifecycle import _wait_for_usage
+from tests.helpers import auth, stream, wait_for_usage_record
 
 # Workers that are found dead within 2 s.
 FAST_HEARTBEAT = {"LLMFLEET_WORKER_HEARTBEAT_S": "0.5", "LLMFLEET_WORKER_HEARTBEAT_TIMEOUT_S": "2"}
@@ -68,7 +67,7 @@ def test_a_killed_workers_started_stream_ends_with_worker_lost(
     assert has_done and error is not None, (len(chunks), error)
     assert error["code"] == "worker_lost"
     assert time.monotonic() - killed_at < 15
-    record = _wait_for_usage(db, request_id)
+    record = wait_for_usage_record(db, request_id)
     assert record.finish_reason == "error"
     # What was delivered (the stream's chunks, whether they came by pub/sub or journal).
     assert record.output_tokens == len(chunks)
@@ -184,7 +183,7 @@ def test_a_request_nobody_starts_in_time_fails_with_queue_timeout(
     assert time.monotonic() - started < 10
     assert result.has_done
     assert result.chunks[-1]["error"]["code"] == "queue_timeout"
-    record = _wait_for_usage(db, result.headers["x-request-id"])
+    record = wait_for_usage_record(db, result.headers["x-request-id"])
     assert (record.finish_reason, record.output_tokens) == ("error", 0)
 
 
@@ -217,10 +216,10 @@ def test_a_request_delivered_twice_yields_one_stream_and_one_usage_record(
     while not rdb.exists(keys.request_done(request.request_id)):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    record = _wait_for_usage(db, request.request_id)
+    record = wait_for_usage_record(db, request.request_id)
     events = [decode_event(f[b"e"]) for _, f in rdb.xrange(keys.request_events(request.request_id))]
     assert [e.seq for e in events] == list(range(len(events)))
-    assert [e.type for e in events].count("final") == 1 and events[-1].type == "final"
+    assert [e.type for e in events].count("final") == 1 and events[-1].type == "final", events[-1]
     with Session(db) as session:
         rows = session.exec(
             select(UsageRecord).where(UsageRecord.request_id == request.request_id)

@@ -11,8 +11,8 @@ from openai import OpenAI
 from sqlmodel import Session, select
 
 from shared import keys
-from shared.tables import ApiKey, InferenceRequest, UsageRecord
-from tests.helpers import auth, stream
+from shared.tables import ApiKey, InferenceRequest
+from tests.helpers import auth, get_usage, stream, wait_for_usage_record
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_streamed_completion_matches_recorded_usage(api_url, tiny_worker, tiny_d
     assert result.usage["completion_tokens"] == 12  # random weights: no early EOS here
     assert result.finish_reasons[-1] == "length"
     request_id = result.headers["x-request-id"]
-    usage = httpx.get(f"{api_url}/v1/requests/{request_id}/usage", headers=auth(key)).json()
+    usage = get_usage(api_url, key, request_id).json()
     assert usage["input_tokens"] == result.usage["prompt_tokens"]
     assert usage["output_tokens"] == result.usage["completion_tokens"]
 
@@ -158,7 +158,7 @@ def test_tenant_cannot_read_another_tenants_usage(
     body = {"model": tiny_deployment.model_id, "prompt": "private", "max_tokens": 2}
     request_id = stream(api_url, "/v1/completions", key_a, body).headers["x-request-id"]
     url = f"{api_url}/v1/requests/{request_id}/usage"
-    assert httpx.get(url, headers=auth(key_a)).status_code == 200
+    assert get_usage(api_url, key_a, request_id).status_code == 200
     response = httpx.get(url, headers=auth(key_b))
     assert response.status_code == 404
     assert request_id in response.json()["error"]["message"]  # same answer as for a made-up id
@@ -173,8 +173,8 @@ def test_usage_is_durable_and_stream_entry_acknowledged(
         api_url, "/v1/completions", key, {"model": model, "prompt": "x", "max_tokens": 3}
     )
     request_id = result.headers["x-request-id"]
+    record = wait_for_usage_record(db, request_id)
     with Session(db) as session:
-        record = session.exec(select(UsageRecord).where(UsageRecord.request_id == request_id)).one()
         request = session.get(InferenceRequest, request_id)
     assert (record.tenant_id, record.output_tokens) == (tenant_id, 3)
     assert request.status == "completed" and request.finish_reason == "length"

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from shared.redis_server import free_port
-from tests.helpers import stream
+from tests.helpers import auth, stream
 
 
 @pytest.fixture
@@ -61,6 +61,14 @@ def test_up_starts_everything_and_stops_cleanly(up_env, tmp_path):
             url, "/v1/completions", key, {"model": "tiny", "prompt": "hi", "max_tokens": 4}
         )
         assert result.has_done and result.chunks
+        # The control process is up too: the request's usage reaches the ledger.
+        request_id = result.headers["x-request-id"]
+        while time.monotonic() < deadline:
+            usage = httpx.get(f"{url}/v1/requests/{request_id}/usage", headers=auth(key))
+            if usage.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert usage.status_code == 200, usage.text
         assert (tmp_path / "home" / "redis" / "appendonly.aof").exists()
     finally:
         up.send_signal(signal.SIGINT)

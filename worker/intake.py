@@ -114,6 +114,12 @@ class Intake:
                 pipe.hset(keys.request_meta(entry.request.request_id), "entry_id", new_id)
                 await pipe.execute()
 
+    async def give_to(self, entry: StreamEntry, consumer: str) -> None:
+        """Hand an entry claimed by mistake back to the live worker that holds it."""
+        await self._redis.xclaim(
+            entry.stream, keys.WORKER_GROUP, consumer, 0, [entry.entry_id], justid=True
+        )
+
     async def claim_idle(self, min_idle_ms: int, max_count: int) -> list[StreamEntry]:
         """Entries idle for `min_idle_ms` (their worker stopped keeping them), now this
         worker's (`XAUTOCLAIM`)."""

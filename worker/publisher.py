@@ -1,11 +1,13 @@
 """Send a step's outputs to the clients: token events, then the final event, through the
 request's journal (`shared/journal.py`: appended and published in one script).
 
-A finished request first claims its end in the journal, then is recorded in SQL, then its
-tenant's admission is settled, then its final event is appended, then its stream entry is
-acknowledged: a client that reads its usage right after `[DONE]` finds it, and an entry is
-never acknowledged before its record is durable. If the journal refuses an event, someone
-else is serving or has ended the request (a second delivery, or a reclaim after this worker
+A finished request first claims its end in the journal, then its usage is handed to the
+control process (an arq job in Redis, `shared/control.py`, committed to the ledger there),
+then its tenant's admission is settled, then its final event is appended, then its stream
+entry is acknowledged: an entry is never acknowledged before its usage is durable in Redis
+(the job) and, from there, in SQL. A client reading its usage right after `[DONE]` may wait
+for the control process (typically well under a second). If the journal refuses an event,
+someone else is serving or has ended the request (a second delivery, or a reclaim after this worker
 was taken for dead): the request is *orphaned* here: its sequence is aborted, nothing more
 is published, recorded or acknowledged for it.
 
@@ -25,9 +27,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import InterfaceError, OperationalError
 
-from shared import keys, quota, usage
+from shared import control, keys, quota, usage
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, FinalEvent, QueuedRequest, TokenEvent, Usage
 from worker.intake import Intake, StreamEntry
@@ -145,31 +146,36 @@ class Publisher:
         await self._intake.ack(flight.entry)
 
     async def _record_usage(self, request: QueuedRequest, output: SequenceOutput) -> bool:
-        """Write the usage, retrying with backoff while the database is unavailable (the
-        client waits for its final event meanwhile); False if it never came back. A write
-        the database rejects (an integrity error) is logged, not retried: it cannot pass."""
+        """Hand the usage to the control process (an arq job it commits to the ledger before
+        dropping), retrying with backoff while Redis is unavailable (the client waits for
+        its final event meanwhile); False if it never came back."""
+        event = usage.usage_event(
+            request,
+            finish_reason=output.finish_reason,
+            num_output_tokens=output.num_output_tokens,
+            num_computed_tokens=output.num_computed_tokens,
+            output_text=await self._output_text(request, output),
+        )
         delay_s, deadline_s = 0.1, time.monotonic() + self._usage_retry_s
         while True:
             try:
-                await asyncio.to_thread(
-                    usage.record,
-                    self._db,
-                    request,
-                    finish_reason=output.finish_reason,
-                    num_output_tokens=output.num_output_tokens,
-                    num_computed_tokens=output.num_computed_tokens,
-                )
+                await control.enqueue_usage(self._redis, event)
                 return True
-            except (OperationalError, InterfaceError):
+            except (RedisError, OSError):
                 if time.monotonic() + delay_s > deadline_s:
-                    log.exception("usage of %s not recorded", request.request_id)
+                    log.exception("usage of %s not handed over", request.request_id)
                     return False
-                log.warning("usage of %s not recorded yet; retrying", request.request_id)
+                log.warning("usage of %s not handed over yet; retrying", request.request_id)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 5.0)
-            except Exception:
-                log.exception("usage of %s rejected by the database", request.request_id)
-                return True
+
+    async def _output_text(self, request: QueuedRequest, output: SequenceOutput) -> str | None:
+        """The whole output, only for a tenant that keeps it: the journal's token events and
+        the final delta."""
+        if request.content_retention_days is None:
+            return None
+        events = await self._journal.read_after(request.request_id, -1)
+        return "".join(e.text for e in events if isinstance(e, TokenEvent)) + output.text
 
     async def _dead_letter(self, request: QueuedRequest, output: SequenceOutput) -> None:
         fields = {**request.to_fields(), "error": output.error.message}

@@ -10,14 +10,20 @@ so an entry stays idle longer than the heartbeat timeout only when its worker ha
   without repeating or losing tokens the client has seen, so it ends with `worker_lost`,
   its delivered tokens recorded once (`shared/recovery.py`);
 - it had not started: it is served here, like a new entry.
+
+An entry can also be idle because the broker was away (its worker could not refresh it):
+one of this worker's own is left alone, and one whose owner still heartbeats goes back
+to it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import redis.asyncio as aioredis
 from sqlalchemy.engine import Engine
 
-from shared import recovery
+from shared import keys, recovery
 from shared.journal import Journal
 from worker.intake import Intake, StreamEntry
 
@@ -33,6 +39,7 @@ class Reclaimer:
         db: Engine,
         worker_id: str,
         timeout_s: float,
+        is_own: Callable[[str], bool],
     ) -> None:
         self._redis = redis
         self._intake = intake
@@ -40,6 +47,10 @@ class Reclaimer:
         self._db = db
         self._worker_id = worker_id
         self._timeout_ms = int(timeout_s * 1000)
+        self._is_own = is_own
+
+    async def _is_alive(self, worker_id: str) -> bool:
+        return bool(await self._redis.exists(keys.worker_heartbeat(worker_id)))
 
     async def keep_claimed(self, entries: list[StreamEntry]) -> None:
         if entries:
@@ -50,13 +61,18 @@ class Reclaimer:
         to_serve = []
         for entry in await self._intake.claim_idle(self._timeout_ms, MAX_RECLAIMED_PER_STREAM):
             request_id = entry.request.request_id
+            if self._is_own(request_id):
+                continue  # ours all along: its idle time grew while the broker was away
+            owner = (await self._journal.meta(request_id)).get("owner")
+            if owner and owner != self._worker_id and await self._is_alive(owner):
+                await self._intake.give_to(entry, owner)  # idle, not dead (a broker outage)
+                continue
             if await self._journal.is_done(request_id):
                 await recovery.ack(self._redis, entry.stream, entry.entry_id)
             elif await self._journal.last_seq(request_id) >= 0:
                 await recovery.end_lost(
                     self._redis,
                     self._journal,
-                    self._db,
                     entry.request,
                     (entry.stream, entry.entry_id),
                     claimer=self._worker_id,

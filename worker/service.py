@@ -96,7 +96,13 @@ class Worker:
                 redis, self._db, intake, journal, self.worker_id, self._settings.usage_retry_s
             )
             reclaimer = Reclaimer(
-                redis, intake, journal, self._db, self.worker_id, self._heartbeat_timeout_s
+                redis,
+                intake,
+                journal,
+                self._db,
+                self.worker_id,
+                self._heartbeat_timeout_s,
+                is_own=lambda request_id: request_id in publisher.inflight,
             )
             self._recovery = (publisher, reclaimer)
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
@@ -139,6 +145,9 @@ class Worker:
                 block_ms = None if engine.has_work() or entries else idle_ms
                 entries += await intake.pull(free, block_ms, engine.num_waiting_by_tenant())
             for entry in entries:
+                if entry.request.request_id in publisher.inflight:
+                    await intake.ack(entry)  # a second delivery of a request served here
+                    continue
                 publisher.track(entry)
                 seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
                 if (refused := engine.add(seq)) is not None:
@@ -166,7 +175,6 @@ class Worker:
             await recovery.end_lost(
                 redis,
                 journal,
-                self._db,
                 entry.request,
                 (entry.stream, entry.entry_id),
                 claimer=self.worker_id,

@@ -1,0 +1,173 @@
+"""The control process's jobs (shared/control.py), run by an in-process arq worker on the
+test Redis: usage written once, a database outage waited out, content kept and purged
+under a retention policy (end to end through the session's control process too)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from sqlalchemy import create_engine
+from sqlmodel import select
+
+from shared import control, usage
+from shared.db import session_scope
+from shared.protocol import QueuedRequest, SamplingParams
+from shared.tables import ModelDeployment, RequestContent, Tenant, UsageRecord
+from tests.helpers import auth, stream, wait_for_usage_record
+
+
+@pytest.fixture(scope="module")
+def deployment_id(db) -> int:
+    with session_scope(db) as session:
+        deployment = ModelDeployment(
+            model_id=f"control-{uuid.uuid4().hex[:6]}", source="x", max_context_tokens=64
+        )
+        session.add(deployment)
+        session.commit()
+        return deployment.id
+
+
+def make_event(tenant_id: str, deployment_id: int, *, retention_days: int | None = None):
+    request = QueuedRequest(
+        request_id=f"ctl-{uuid.uuid4().hex[:10]}",
+        tenant_id=tenant_id,
+        model="m",
+        deployment_id=deployment_id,
+        kind="completion",
+        prompt_token_ids=[5, 6, 7],
+        sampling=SamplingParams(),
+        arrival_ts=time.time(),
+        content_retention_days=retention_days,
+    )
+    return usage.usage_event(
+        request,
+        finish_reason="stop",
+        num_output_tokens=2,
+        num_computed_tokens=5,
+        output_text="hi there",
+    )
+
+
+def records_of(db, request_id: str) -> list[UsageRecord]:
+    with session_scope(db) as session:
+        query = select(UsageRecord).where(UsageRecord.request_id == request_id)
+        return session.exec(query).all()
+
+
+# A queue of this module's own: the session's control process must not take these jobs.
+QUEUE = f"llmfleet:control-test-{uuid.uuid4().hex[:6]}"
+
+
+async def run_burst(settings, engine) -> None:
+    worker = control.make_worker(settings, engine, queue_name=QUEUE, burst=True)
+    try:
+        await worker.main()
+    finally:
+        await worker.close()
+
+
+async def test_a_usage_event_is_recorded_once(db, settings, aredis, make_tenant, deployment_id):
+    tenant_id, _key = make_tenant("control")
+    event = make_event(tenant_id, deployment_id)
+    await control.enqueue_usage(aredis, event, QUEUE)
+    await control.enqueue_usage(aredis, event, QUEUE)  # a double delivery: the same job id
+    await run_burst(settings, db)
+    assert [(r.input_tokens, r.output_tokens, r.seq) for r in records_of(db, event.request_id)] == [
+        (3, 2, 1)
+    ]
+    await control.record_usage(
+        {"settings": settings, "engine": db, "job_try": 1}, event.model_dump(mode="json")
+    )
+    assert len(records_of(db, event.request_id)) == 1  # a late redelivery: insert-if-absent
+
+
+async def test_a_database_outage_is_waited_out(
+    db, settings, aredis, make_tenant, deployment_id, tmp_path
+):
+    tenant_id, _key = make_tenant("control-outage")
+    event = make_event(tenant_id, deployment_id)
+    await control.enqueue_usage(aredis, event, QUEUE)
+    unreachable = create_engine(f"sqlite:///{tmp_path / 'missing' / 'x.db'}")
+    worker = control.make_worker(settings, unreachable, queue_name=QUEUE, burst=True)
+    task = asyncio.create_task(worker.main())
+    try:
+        await asyncio.sleep(1.5)
+        assert records_of(db, event.request_id) == []
+        assert await aredis.zscore(QUEUE, control.usage_job_id(event.request_id))
+        worker.ctx["engine"] = db  # the database is back
+        await asyncio.wait_for(task, timeout=30)
+    finally:
+        task.cancel()
+        await worker.close()
+    assert len(records_of(db, event.request_id)) == 1
+
+
+async def test_content_is_kept_only_under_a_retention_policy(
+    db, settings, aredis, make_tenant, deployment_id
+):
+    tenant_id, _key = make_tenant("control-retention")
+    kept = make_event(tenant_id, deployment_id, retention_days=7)
+    not_kept = make_event(tenant_id, deployment_id)
+    assert not_kept.prompt_token_ids is None and not_kept.output_text is None
+    for event in (kept, not_kept):
+        await control.enqueue_usage(aredis, event, QUEUE)
+    await run_burst(settings, db)
+    with session_scope(db) as session:
+        rows = session.exec(
+            select(RequestContent).where(RequestContent.tenant_id == tenant_id)
+        ).all()
+    assert [(r.request_id, r.prompt_token_ids_json, r.output) for r in rows] == [
+        (kept.request_id, "[5, 6, 7]", "hi there")
+    ]
+    assert usage.purge_expired_content(db, datetime.now(UTC) + timedelta(days=6)) == 0
+    assert usage.purge_expired_content(db, datetime.now(UTC) + timedelta(days=8)) >= 1
+    with session_scope(db) as session:
+        assert session.get(RequestContent, kept.request_id) is None
+
+
+def test_a_tenant_with_retention_keeps_its_prompt_and_output(
+    api_url, tiny_worker, tiny_deployment, make_tenant, db, settings
+):
+    admin = auth(settings.admin_secret)
+    results = {}
+    for retention_days in (3, None):
+        tenant_id, key = make_tenant("retention")
+        with session_scope(db) as session:
+            name = session.get(Tenant, tenant_id).name
+        patched = httpx.patch(
+            f"{api_url}/admin/v1/tenants/{name}",
+            json={"content_retention_days": retention_days},
+            headers=admin,
+        )
+        assert patched.json()["content_retention_days"] == retention_days, patched.text
+        body = {"model": tiny_deployment.model_id, "prompt": "keep me", "max_tokens": 5}
+        result = stream(api_url, "/v1/completions", key, body)
+        request_id = result.headers["x-request-id"]
+        wait_for_usage_record(db, request_id)
+        with session_scope(db) as session:
+            results[retention_days] = (result.text, session.get(RequestContent, request_id))
+    text, kept = results[3]
+    assert kept.output == text and json.loads(kept.prompt_token_ids_json)
+    assert kept.expires_at > datetime.now(UTC) + timedelta(days=2, hours=23)
+    assert results[None][1] is None
+    zero = httpx.patch(
+        f"{api_url}/admin/v1/tenants/{name}", json={"content_retention_days": 0}, headers=admin
+    )
+    assert zero.status_code == 400
+
+
+def test_a_retention_policy_is_set_at_creation(api_url, settings):
+    name = f"retention-new-{uuid.uuid4().hex[:6]}"
+    created = httpx.post(
+        f"{api_url}/admin/v1/tenants",
+        json={"name": name, "content_retention_days": 5, "create_key": False},
+        headers=auth(settings.admin_secret),
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["content_retention_days"] == 5
