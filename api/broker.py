@@ -15,6 +15,7 @@ notice.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -181,10 +182,14 @@ class Subscription:
             if owner is None or await self.redis.exists(keys.worker_heartbeat(owner)):
                 return  # its worker is alive
             code, message = "worker_lost", "the worker generating this request stopped"
-        entry = (meta["stream"], meta["entry_id"])
+        entry: tuple[str, str] | None = (meta["stream"], meta["entry_id"])
         request = await _queued_request(self.redis, *entry)
         if request is None:
-            return  # acknowledged meanwhile: its end is in the journal
+            # The entry is gone but the request never ended (seen once in CI, cause not yet
+            # found): end it anyway, its usage from what was stored when it was enqueued.
+            request, entry = _request_from_meta(meta), None
+            if request is None:
+                return
         await recovery.end_lost(
             self.redis,
             self.journal,
@@ -221,7 +226,7 @@ async def submit(
         async with redis.pipeline(transaction=True) as pipe:
             pipe.sadd(keys.model_tenants(request.model), request.tenant_id)
             pipe.xadd(stream, request.to_fields())
-            fields = {**_info_fields(info), "stream": stream}
+            fields = {**_info_fields(info), "stream": stream, **_usage_fields(request)}
             if request.queue_deadline_ts is not None:
                 fields["queue_deadline_ts"] = str(request.queue_deadline_ts)
             pipe.hset(meta, mapping=fields)
@@ -262,6 +267,21 @@ async def _subscribe(redis: aioredis.Redis, request_id: str) -> PubSub:
             await pubsub.aclose()
         raise
     return pubsub
+
+
+def _usage_fields(request: QueuedRequest) -> dict[str, str]:
+    """What recording a lost request's usage needs, without its prompt (never in meta)."""
+    bare = request.model_dump_json(exclude={"prompt_token_ids", "content_retention_days"})
+    return {"request": bare, "num_input_tokens": str(len(request.prompt_token_ids))}
+
+
+def _request_from_meta(meta: dict[str, str]) -> QueuedRequest | None:
+    if "request" not in meta:
+        return None
+    num_input_tokens = int(meta.get("num_input_tokens", "0"))
+    # Stand-in prompt ids: only their number is used (content is not kept for such a request).
+    fields = {**json.loads(meta["request"]), "prompt_token_ids": [0] * num_input_tokens}
+    return QueuedRequest.model_validate(fields)
 
 
 def _info_fields(info: RequestInfo) -> dict[str, str]:

@@ -49,7 +49,10 @@ def test_a_killed_workers_started_stream_ends_with_worker_lost(
         client.stream("POST", f"{api_url}/v1/completions", json=body, headers=auth(key)) as r,
     ):
         request_id = r.headers["x-request-id"]
+        give_up_at = time.monotonic() + 90  # fail, never hang (keep-alive pings come every 15 s)
         for line in r.iter_lines():
+            if time.monotonic() > give_up_at:
+                break
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
