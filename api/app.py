@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -44,7 +46,13 @@ def create_app(settings: Settings | None = None) -> Starlette:
     return Starlette(
         routes=[*routes, *admin.routes, *metrics.routes, *dashboard.routes],
         lifespan=lifespan,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _crash},
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            RedisConnectionError: _broker_unavailable,
+            RedisTimeoutError: _broker_unavailable,
+            Exception: _crash,
+        },
     )
 
 
@@ -59,6 +67,18 @@ async def _http_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
     return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+
+
+async def _broker_unavailable(request: Request, exc: Exception) -> Response:
+    # Redis is restarting (its clients gave up retrying): nothing was enqueued; try again.
+    log.warning("broker unavailable on %s %s: %s", request.method, request.url.path, exc)
+    return APIError(
+        503,
+        "The request broker is unavailable; nothing was queued. Retry shortly.",
+        type="server_error",
+        code="broker_unavailable",
+        headers={"Retry-After": "1"},
+    ).response()
 
 
 async def _crash(request: Request, exc: Exception) -> Response:

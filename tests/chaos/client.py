@@ -141,6 +141,12 @@ class LoadClient:
             log.num_retries += 1
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
             log.request_id = r.headers.get("x-request-id")
+            if r.status_code == 503 and log.num_retries < 20:
+                # The broker is restarting: a client honours Retry-After and sends it again.
+                await r.aread()
+                log.num_retries += 1
+                await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+                return await self._post(client, url, log)
             if r.status_code != 200:
                 await r.aread()
                 log.http_errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -155,6 +161,12 @@ class LoadClient:
             headers["Last-Event-ID"] = str(log.event_ids[-1])
         path = f"{url}/v1/requests/{log.request_id}/events?include_usage=true"
         async with client.stream("GET", path, headers=headers) as r:
+            if r.status_code == 503 and log.num_retries < 20:
+                # The broker is restarting: a client honours Retry-After and sends it again.
+                await r.aread()
+                log.num_retries += 1
+                await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+                return await self._resume(client, url, log)
             if r.status_code != 200:
                 await r.aread()
                 log.http_errors.append(f"resume HTTP {r.status_code}: {r.text[:200]}")
