@@ -214,6 +214,21 @@ class Subscription:
             await self.pubsub.aclose()
 
 
+# KEYS: the model's tenant set, the tenant's stream, the request's meta hash.
+# ARGV: tenant id, meta ttl s, the entry's body, then the meta hash's field/value pairs.
+# Enqueues once: a retry of a call that ran (the client retries on a broken connection)
+# finds the meta hash and returns the entry id it holds instead of enqueueing again.
+_ENQUEUE_LUA = """
+local existing = redis.call('HGET', KEYS[3], 'entry_id')
+if existing then return existing end
+redis.call('SADD', KEYS[1], ARGV[1])
+local id = redis.call('XADD', KEYS[2], '*', 'body', ARGV[3])
+redis.call('HSET', KEYS[3], 'entry_id', id, unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+return id
+"""
+
+
 async def submit(
     redis: aioredis.Redis, journal: Journal, request: QueuedRequest, timing: StreamTiming
 ) -> Subscription:
@@ -222,17 +237,18 @@ async def submit(
     pubsub = await _subscribe(redis, info.request_id)
     try:
         stream = keys.tenant_stream(request.model, request.tenant_id)
-        meta = keys.request_meta(request.request_id)
-        async with redis.pipeline(transaction=True) as pipe:
-            pipe.sadd(keys.model_tenants(request.model), request.tenant_id)
-            pipe.xadd(stream, request.to_fields())
-            fields = {**_info_fields(info), "stream": stream, **_usage_fields(request)}
-            if request.queue_deadline_ts is not None:
-                fields["queue_deadline_ts"] = str(request.queue_deadline_ts)
-            pipe.hset(meta, mapping=fields)
-            pipe.expire(meta, journal.ttl_s)
-            _, entry_id, _, _ = await pipe.execute()
-        await redis.hset(meta, "entry_id", entry_id)
+        fields = {**_info_fields(info), "stream": stream, **_usage_fields(request)}
+        if request.queue_deadline_ts is not None:
+            fields["queue_deadline_ts"] = str(request.queue_deadline_ts)
+        await redis.register_script(_ENQUEUE_LUA)(
+            keys=[keys.model_tenants(request.model), stream, keys.request_meta(request.request_id)],
+            args=[
+                request.tenant_id,
+                journal.ttl_s,
+                request.to_fields()["body"],
+                *(item for pair in fields.items() for item in pair),
+            ],
+        )
     except BaseException:
         with anyio.CancelScope(shield=True):
             await pubsub.aclose()

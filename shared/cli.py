@@ -152,7 +152,8 @@ def worker(
     config = WorkerConfig(
         engine_config, device, dtype, metrics_port=metrics_port, metrics_host=metrics_host
     )
-    service = Worker(get_settings(), engine, deployment, config)
+    engine.dispose()  # the worker needs SQL only to find its deployment
+    service = Worker(get_settings(), deployment, config)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -3,6 +3,7 @@ DATABASE_URL; the schema comes from the alembic migrations in `shared/migrations
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,17 +24,18 @@ def make_engine(settings: Settings) -> Engine:
     url = settings.database_url
     if url.startswith("sqlite"):
         settings.home.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-        event.listen(engine, "connect", _sqlite_pragmas)
+        timeout_s = settings.db_busy_timeout_s
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": timeout_s})
+        event.listen(engine, "connect", functools.partial(_sqlite_pragmas, timeout_s=timeout_s))
         return engine
     return create_engine(url, pool_pre_ping=True)
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
+def _sqlite_pragmas(dbapi_connection, _record, *, timeout_s: float) -> None:
     # WAL lets the API read while a worker writes usage; busy_timeout makes writers queue.
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     journal_ttl_s: int = 3600
     # An API stream that hears nothing this long checks the journal and the worker's heartbeat.
     stream_idle_check_s: float = 1.0
+    # SQLite only: how long a writer waits for another's lock before the write fails (the
+    # control process then retries the usage job later; `shared/control.py`).
+    db_busy_timeout_s: float = 30.0
     # Fault injection, for the chaos tests only: a worker's model step fails whenever its
     # input holds this token id (a "poison" prompt).
     fault_token_id: int | None = None

@@ -12,6 +12,7 @@ from api import broker
 from shared import keys
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage, encode_event
+from tests.factories import make_request
 
 
 @pytest.fixture
@@ -125,3 +126,23 @@ async def test_a_retried_call_is_not_taken_for_a_refusal(journal):
     assert await journal.append_end(rid, "w", _final())  # no second final
     events = await journal.read_after(rid, -1)
     assert [(e.type, e.seq) for e in events] == [("token", 0), ("final", 1)]
+
+
+async def test_a_retried_enqueue_queues_the_request_once(journal, aredis):
+    # A retry of a submit whose first call ran (a broken connection) must not enqueue twice:
+    # the second entry would be served, or acknowledged, as a separate delivery.
+    request = make_request(0, [1, 2, 3], 4, tenant_id=f"t-{uuid.uuid4().hex[:8]}")
+    request = request.model_copy(update={"request_id": uuid.uuid4().hex})
+    timing = broker.StreamTiming(idle_check_s=0.2, lost_after_s=6.0)
+    first = await broker.submit(aredis, journal, request, timing)
+    second = await broker.submit(aredis, journal, request, timing)
+    await first.close(cancel_if_unfinished=False)
+    await second.close(cancel_if_unfinished=False)
+    stream = keys.tenant_stream(request.model, request.tenant_id)
+    entries = await aredis.xrange(stream)
+    assert len(entries) == 1
+    meta = await journal.meta(request.request_id)
+    assert meta["entry_id"] == entries[0][0].decode()
+    assert meta["stream"] == stream and meta["num_input_tokens"] == "3"
+    assert request.tenant_id.encode() in await aredis.smembers(keys.model_tenants(request.model))
+    assert 0 < await aredis.ttl(keys.request_meta(request.request_id)) <= 60

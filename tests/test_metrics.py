@@ -107,6 +107,20 @@ def test_aborted_and_refused_requests_are_counted_by_reason(tiny_loaded):
     assert _value(r, "llmfleet_time_to_first_token_seconds_count", model=MODEL, tier="1") == 0
 
 
+def test_handed_back_requests_are_not_counted_as_ended(tiny_loaded):
+    engine = ObservedEngine(_small_engine(tiny_loaded, num_blocks=4), MODEL, max_num_seqs=4)
+    for i in range(2):
+        assert engine.add(make_sequence_for(make_request(i, [3, 4, 5], 4), CharDecoder())) is None
+    engine.hand_back({"r0"})
+    assert engine.unstarted_request_ids() == ["r1"]
+    _run(engine, [])
+    r = engine.metrics.registry
+    labels = {"model": MODEL, "tier": "1"}
+    assert _value(r, "llmfleet_request_success_total", **labels, finished_reason="length") == 1
+    assert _value(r, "llmfleet_request_success_total", **labels, finished_reason="cancelled") == 0
+    assert _value(r, "llmfleet_time_to_first_token_seconds_count", **labels) == 1
+
+
 def test_latency_summary_matches_numpy_percentiles():
     values = list(np.random.default_rng(0).exponential(0.05, size=501))
     summary = LatencySummary.of(values)

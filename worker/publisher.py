@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from sqlalchemy.engine import Engine
 
 from shared import control, keys, quota, usage
 from shared.journal import Journal
@@ -58,14 +57,12 @@ class Publisher:
     def __init__(
         self,
         redis: aioredis.Redis,
-        db: Engine,
         intake: Intake,
         journal: Journal,
         worker_id: str,
         usage_retry_s: float = 60.0,
     ) -> None:
         self._redis = redis
-        self._db = db
         self._intake = intake
         self._journal = journal
         self._worker_id = worker_id

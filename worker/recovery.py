@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from sqlalchemy.engine import Engine
 
 from shared import keys, recovery
 from shared.journal import Journal
@@ -36,7 +35,6 @@ class Reclaimer:
         redis: aioredis.Redis,
         intake: Intake,
         journal: Journal,
-        db: Engine,
         worker_id: str,
         timeout_s: float,
         is_own: Callable[[str], bool],
@@ -44,7 +42,6 @@ class Reclaimer:
         self._redis = redis
         self._intake = intake
         self._journal = journal
-        self._db = db
         self._worker_id = worker_id
         self._timeout_ms = int(timeout_s * 1000)
         self._is_own = is_own

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from sqlalchemy.engine import Engine
 
 from shared import keys, model_source, recovery
 from shared.journal import Journal
@@ -51,10 +50,9 @@ class WorkerConfig:
 
 class Worker:
     def __init__(
-        self, settings: Settings, db: Engine, deployment: ModelDeployment, config: WorkerConfig
+        self, settings: Settings, deployment: ModelDeployment, config: WorkerConfig
     ) -> None:
         self._settings = settings
-        self._db = db
         self._deployment = deployment
         self._config = config
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -93,16 +91,18 @@ class Worker:
             intake = Intake(redis, self._deployment.model_id, self.worker_id, is_fair=is_fair)
             journal = Journal(redis, self._settings.journal_ttl_s)
             publisher = Publisher(
-                redis, self._db, intake, journal, self.worker_id, self._settings.usage_retry_s
+                redis, intake, journal, self.worker_id, self._settings.usage_retry_s
             )
             reclaimer = Reclaimer(
                 redis,
                 intake,
                 journal,
-                self._db,
                 self.worker_id,
                 self._heartbeat_timeout_s,
-                is_own=lambda request_id: request_id in publisher.inflight,
+                is_own=lambda request_id: (
+                    request_id in publisher.inflight
+                    or any(e.request.request_id == request_id for e in self._reclaimed)
+                ),
             )
             self._recovery = (publisher, reclaimer)
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
@@ -145,9 +145,10 @@ class Worker:
                 block_ms = None if engine.has_work() or entries else idle_ms
                 entries += await intake.pull(free, block_ms, engine.num_waiting_by_tenant())
             for entry in entries:
-                if entry.request.request_id in publisher.inflight:
-                    await intake.ack(entry)  # a second delivery of a request served here
-                    continue
+                if (flight := publisher.inflight.get(entry.request.request_id)) is not None:
+                    if flight.entry.entry_id != entry.entry_id:
+                        await intake.ack(entry)  # a second entry for a request served here
+                    continue  # the very entry being served: never acknowledge that one
                 publisher.track(entry)
                 seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
                 if (refused := engine.add(seq)) is not None:
@@ -163,7 +164,7 @@ class Worker:
         """Give the requests that have not started to the other workers, at once."""
         request_ids = engine.unstarted_request_ids()
         entries = publisher.forget(request_ids)
-        engine.abort(set(request_ids))
+        engine.hand_back(set(request_ids))
         await intake.hand_back(entries)
         if entries:
             log.info("handed %d waiting requests back to the queue", len(entries))
@@ -213,7 +214,9 @@ class Worker:
         if self._recovery is None:
             return
         publisher, reclaimer = self._recovery
-        await reclaimer.keep_claimed([flight.entry for flight in publisher.inflight.values()])
+        # Reclaimed entries waiting for the loop too: idle, they would be reclaimed again.
+        held = [flight.entry for flight in publisher.inflight.values()] + self._reclaimed
+        await reclaimer.keep_claimed(held)
         if not self._stopping.is_set():
             self._reclaimed += await reclaimer.reclaim()
 

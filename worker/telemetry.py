@@ -100,6 +100,14 @@ class ObservedEngine:
         self._observe_outputs(outputs, self._clock())
         return outputs
 
+    def hand_back(self, request_ids: set[str]) -> None:
+        """Drop requests given back to the queue for another worker: they did not end here,
+        so they are not counted as ended (that worker counts them)."""
+        self._engine.abort(request_ids)
+        with self._lock:
+            for request_id in request_ids:
+                self._timings.pop(request_id, None)
+
     def step(self) -> list[SequenceOutput]:
         started_s = self._clock()
         started = time.perf_counter()

@@ -97,6 +97,14 @@ class LoadClient:
             and (api_index is None or log.spec.index % len(self._api_urls) == api_index)
         )
 
+    def streaming_request_ids(self, min_chunks: int) -> list[str]:
+        """Requests that have received at least `min_chunks` and not ended."""
+        return [
+            log.request_id
+            for log in self.logs
+            if log.num_chunks >= min_chunks and log.ended_s is None and log.request_id
+        ]
+
     async def run(self, specs: list[RequestSpec]) -> list[RequestLog]:
         self.logs = [RequestLog(spec) for spec in specs]
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
@@ -141,11 +149,7 @@ class LoadClient:
             log.num_retries += 1
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
             log.request_id = r.headers.get("x-request-id")
-            if r.status_code == 503 and log.num_retries < 20:
-                # The broker is restarting: a client honours Retry-After and sends it again.
-                await r.aread()
-                log.num_retries += 1
-                await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+            if await _should_retry(r, log):
                 return await self._post(client, url, log)
             if r.status_code != 200:
                 await r.aread()
@@ -161,11 +165,7 @@ class LoadClient:
             headers["Last-Event-ID"] = str(log.event_ids[-1])
         path = f"{url}/v1/requests/{log.request_id}/events?include_usage=true"
         async with client.stream("GET", path, headers=headers) as r:
-            if r.status_code == 503 and log.num_retries < 20:
-                # The broker is restarting: a client honours Retry-After and sends it again.
-                await r.aread()
-                log.num_retries += 1
-                await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+            if await _should_retry(r, log):
                 return await self._resume(client, url, log)
             if r.status_code != 200:
                 await r.aread()
@@ -194,6 +194,16 @@ class LoadClient:
                 if on_chunk is not None and on_chunk():
                     log.is_disconnected = True
                     return  # leaving the context manager closes the connection
+
+
+async def _should_retry(response: httpx.Response, log: RequestLog) -> bool:
+    """A 503 (the broker is restarting): a client honours Retry-After, then sends it again."""
+    if response.status_code != 503 or log.num_retries >= 20:
+        return False
+    await response.aread()
+    log.num_retries += 1
+    await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+    return True
 
 
 def _record(log: RequestLog, data: str, event_id: str | None) -> None:

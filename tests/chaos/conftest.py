@@ -23,11 +23,11 @@ def chaos_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def chaos_stack(tmp_path, chaos_model_dir) -> Iterator:
-    """Factory: start a platform of this scenario's own (workers with extra environment)."""
+    """Factory: start a platform of this scenario's own (its processes with extra environment)."""
     stacks: list[Stack] = []
 
-    def factory(worker_env: dict[str, str] | None = None) -> Stack:
-        stack = Stack(tmp_path, chaos_model_dir, worker_env=worker_env or {})
+    def factory(extra_env: dict[str, str] | None = None) -> Stack:
+        stack = Stack(tmp_path, chaos_model_dir, extra_env=extra_env or {})
         stacks.append(stack)
         return stack.start()
 

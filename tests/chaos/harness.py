@@ -56,7 +56,8 @@ class Stack:
 
     root: Path
     model_dir: Path
-    worker_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every process
+    num_subscribers_dropped: int = 0
     api_urls: list[str] = field(default_factory=list)
     apis: list[subprocess.Popen] = field(default_factory=list)
     control: subprocess.Popen | None = None
@@ -88,6 +89,7 @@ class Stack:
             "LLMFLEET_LOG_LEVEL": "INFO",
             "OMP_NUM_THREADS": "1",  # two workers share two cores: no OpenMP spinning
             **FAST_HEARTBEAT,
+            **self.extra_env,
         }
 
     def start(self) -> Stack:
@@ -121,7 +123,7 @@ class Stack:
         """Another worker process, once its heartbeat says ready."""
         log_path = self.home / f"worker-{time.monotonic_ns()}.log"
         args = ["worker", "--model", MODEL, *WORKER_ARGS]
-        process = _spawn(args, self.env | self.worker_env, log_path)
+        process = _spawn(args, self.env, log_path)
         self.workers.append(process)
         _wait_ready(self.redis_server.url, process, log_path)
         return process
@@ -140,6 +142,16 @@ class Stack:
         self.redis_server._process.wait()
         time.sleep(down_s)
         self.redis_server.start()
+
+    def owner_of(self, r: redis.Redis, request_ids: list[str]) -> subprocess.Popen:
+        """The live worker process serving the first of `request_ids` that one serves (a
+        worker id holds its process id: `{host}-{pid}-{suffix}`)."""
+        by_pid = {process.pid: process for process in self.live_workers()}
+        for request_id in request_ids:
+            owner = r.hget(keys.request_meta(request_id), "owner")
+            if owner is not None and (pid := int(owner.decode().split("-")[-2])) in by_pid:
+                return by_pid[pid]
+        raise AssertionError("no live worker serves these requests")
 
     def lock_database(self) -> None:
         """Hold SQLite's write lock: every writer waits (busy timeout) until `unlock_database`."""
@@ -163,6 +175,15 @@ class Stack:
                 if request_id in line:
                     lines.append(f"{path.name}: {line[:300]}")
         return lines[-max_lines:]
+
+    def log_count(self, process: str, text: str) -> int:
+        """How many lines of a process's logs (`api`, `worker`, `control`) hold `text`."""
+        paths = self.home.glob(f"{process}*.log")
+        return sum(
+            line.count(text)
+            for path in paths
+            for line in path.read_text(errors="replace").splitlines()
+        )
 
     def tenant_streams(self) -> list[str]:
         return [keys.tenant_stream(MODEL, t.tenant_id) for t in self.tenants]
