@@ -185,8 +185,11 @@ class Subscription:
         entry: tuple[str, str] | None = (meta["stream"], meta["entry_id"])
         request = await _queued_request(self.redis, *entry)
         if request is None:
-            # The entry is gone but the request never ended (seen once in CI, cause not yet
-            # found): end it anyway, its usage from what was stored when it was enqueued.
+            # The entry is gone but the request never ended. Seen once in CI; the likely
+            # causes are fixed (an enqueue retried by the client after it ran queued the
+            # request twice, and a worker could acknowledge the very entry it was serving
+            # as a "second delivery"). Kept as the last line of defence: end it anyway,
+            # its usage from what was stored when it was enqueued.
             request, entry = _request_from_meta(meta), None
             if request is None:
                 return
