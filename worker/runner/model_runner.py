@@ -18,6 +18,7 @@ from worker.runner.paged_attention import (
     PagedKVCache,
     PrefillSpan,
     StepMetadata,
+    pool_rows,
 )
 from worker.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -59,11 +60,13 @@ class ModelRunner:
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
+        # By KV head, then block (see paged_attention.py): a head's gathered blocks are one
+        # contiguous [sequences, context, head_dim] tensor, ready for a batched matmul.
         shape = (
             config.num_hidden_layers,
+            config.num_key_value_heads,
             num_blocks,
             block_size,
-            config.num_key_value_heads,
             head_dim,
         )
         self._k_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
@@ -136,8 +139,9 @@ class ModelRunner:
             query_end = query_start + chunk.num_new_tokens
             num_blocks = -(-chunk.end // self.block_size)
             block_ids = torch.tensor(chunk.seq.block_table[:num_blocks], device=self._device)
+            rows = self._pool_rows(block_ids)
             mask = self._chunk_mask(chunk)
-            prefills.append(PrefillSpan(query_start, query_end, block_ids, chunk.end, mask))
+            prefills.append(PrefillSpan(query_start, query_end, rows, chunk.end, mask))
             query_start = query_end
         return StepMetadata(slot_mapping, self._decode_groups(out.decodes), prefills)
 
@@ -159,8 +163,16 @@ class ModelRunner:
         block_ids = torch.tensor(tables, device=self._device).flatten()
         lengths = torch.tensor([c.end for c in decodes], device=self._device)
         positions = torch.arange(max_blocks * self.block_size, device=self._device)
-        mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
-        return DecodeGroup(query_start, query_start + len(decodes), block_ids, mask)
+        is_padding = (positions[None, :] >= lengths[:, None])[:, None, :]
+        bias = torch.zeros(is_padding.shape, device=self._device).masked_fill_(
+            is_padding, float("-inf")
+        )
+        rows = self._pool_rows(block_ids)
+        return DecodeGroup(query_start, query_start + len(decodes), rows, bias)
+
+    def _pool_rows(self, block_ids: torch.Tensor) -> torch.Tensor:
+        num_kv_heads, num_blocks = self._k_pool.shape[1:3]
+        return pool_rows(block_ids, num_kv_heads, num_blocks)
 
     def _chunk_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
         if chunk.start == 0:

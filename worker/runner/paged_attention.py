@@ -5,15 +5,22 @@ on exactly the tokens scheduled, with no padding. Each attention layer calls
 `cache.update(...)` (our `PagedKVCache` writes the new keys and values into their slots)
 and then the registered attention function, which attends per sequence:
 
-- decodes (one query token each) in batched SDPA calls, one per group of similar context
+- decodes (one query token each) in batched calls, one per group of similar context
   length (padding to the group's longest context wastes at most 2x; one long sequence among
   short ones would otherwise make every decode pay for its length), over keys gathered from
-  their block tables, with a padding mask;
+  their block tables, with a padding mask. Written as two matmuls and a softmax, not SDPA:
+  on the CPU, torch 2.13's SDPA kernel takes 3.1 ms for one layer of 32 single-token
+  queries over 272 keys where these ops take 0.24 ms (it was 70% of a batch-32 step;
+  docs/benchmarks.md). Scores and probabilities are computed in the model's dtype and the
+  softmax in fp32: within one bf16 rounding step of SDPA;
 - each prefill chunk in its own SDPA call, causal with the chunk's offset.
 
-The pool is laid out by block ([layers, blocks, block_size, kv_heads, head_dim]), so keys
-are gathered a whole block at a time (one contiguous copy per block, not per token); the
-indices are built once per step (`StepMetadata`) and shared by all layers.
+The pool is laid out by KV head, then block ([layers, kv_heads, blocks, block_size,
+head_dim]), so keys are gathered a whole block at a time (one contiguous copy per block, not
+per token) straight into [kv_heads, sequences, context, head_dim]: the layout the batched
+matmuls read without another copy (a [blocks, block_size, kv_heads, head_dim] pool needed a
+transposing copy after the gather, 15 ms of a 56 ms batch-32 step). The indices are built
+once per step (`StepMetadata`) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -35,15 +42,15 @@ class DecodeGroup:
 
     query_start: int  # first query row in the packed batch
     query_end: int
-    block_ids: torch.Tensor  # [rows * max_blocks] block tables padded to the group's longest
-    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool: which keys are real
+    pool_rows: torch.Tensor  # `pool_rows` of the block tables padded to the group's longest
+    bias: torch.Tensor  # [rows, 1, max_blocks * block_size] fp32: 0 for real keys, else -inf
 
 
 @dataclass(slots=True)
 class PrefillSpan:
     query_start: int
     query_end: int
-    block_ids: torch.Tensor  # [blocks] the sequence's block table, up to the chunk's end
+    pool_rows: torch.Tensor  # `pool_rows` of the sequence's block table up to the chunk's end
     num_context: int  # keys the chunk attends to: every token up to its end
     mask: torch.Tensor | None  # [1, 1, chunk, context] bool, or None for a plain causal chunk
 
@@ -59,15 +66,15 @@ class PagedKVCache:
     """What the model sees as its cache: it writes new K/V into the pool and returns the pool."""
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor):
-        self._k_pool = k_pool  # [layers, blocks, block_size, kv_heads, head_dim]
+        self._k_pool = k_pool  # [layers, kv_heads, blocks, block_size, head_dim]
         self._v_pool = v_pool
         self._slot_mapping = slot_mapping
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # [1, kv_heads, num_tokens, head_dim] -> [num_tokens, kv_heads, head_dim] into flat slots
+        # [1, kv_heads, num_tokens, head_dim] into each head's flat slots
         for pool, states in ((self._k_pool, key_states), (self._v_pool, value_states)):
-            flat = pool[layer_idx].flatten(0, 1)  # a view: [slots, kv_heads, head_dim]
-            flat.index_copy_(0, self._slot_mapping, states[0].transpose(0, 1))
+            flat = pool[layer_idx].flatten(1, 2)  # a view: [kv_heads, slots, head_dim]
+            flat.index_copy_(1, self._slot_mapping, states[0])
         return self._k_pool[layer_idx], self._v_pool[layer_idx]
 
 
@@ -88,26 +95,39 @@ def paged_attention(module, query, key_pool, value_pool, attention_mask, scaling
     return out.unsqueeze(0), None
 
 
-def _gather(pool: torch.Tensor, block_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Blocks of one layer's pool -> [num_rows, kv_heads, context, head_dim]."""
-    blocks = pool.index_select(0, block_ids)  # [rows * blocks, block_size, kv_heads, dim]
-    return blocks.view(num_rows, -1, *pool.shape[2:]).transpose(1, 2)
+def pool_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Where blocks lie in a layer's pool seen as [kv_heads * blocks, block_size, head_dim]:
+    every head's copy of each block, head by head (gathering along the first dimension is
+    a plain copy per block; along the second, torch's CPU kernel is 3x slower)."""
+    heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None] * num_blocks
+    return (heads + block_ids[None, :]).flatten()
+
+
+def _gather(pool: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Blocks of one layer's pool (`rows`: from `pool_rows`) -> [kv_heads, num_seqs,
+    context, head_dim], contiguous."""
+    blocks = pool.flatten(0, 1).index_select(0, rows)  # [kv * seqs * blocks, block_size, dim]
+    return blocks.view(pool.shape[0], num_seqs, -1, pool.shape[-1])
 
 
 def _decode(q, key_pool, value_pool, group: DecodeGroup, scaling) -> torch.Tensor:
-    q = q.transpose(0, 1).unsqueeze(2)  # [heads, rows, dim] -> [rows, heads, 1, dim]
-    k = _gather(key_pool, group.block_ids, q.shape[0])
-    v = _gather(value_pool, group.block_ids, q.shape[0])
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True
-    )
-    return o[:, :, 0, :]  # [rows, heads, dim]
+    heads, rows, dim = q.shape
+    k = _gather(key_pool, group.pool_rows, rows)  # [kv_heads, rows, context, dim]
+    v = _gather(value_pool, group.pool_rows, rows)
+    kv_heads = k.shape[0]
+    # Query head h reads kv head h // (heads / kv_heads), as HF's repeat_kv lays them out.
+    q = q.view(kv_heads, heads // kv_heads, rows, dim).transpose(1, 2)  # [kv, rows, group, dim]
+    scale = scaling if scaling is not None else dim**-0.5
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [kv, rows, group, ctx]
+    probs = torch.softmax(scores + group.bias, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [kv, rows, group, dim]
+    return out.permute(1, 0, 2, 3).reshape(rows, heads, dim)
 
 
 def _prefill(q, key_pool, value_pool, span: PrefillSpan, scaling) -> torch.Tensor:
     q = q[:, span.query_start : span.query_end].unsqueeze(0)  # [1, heads, chunk, dim]
-    k = _gather(key_pool, span.block_ids, 1)[:, :, : span.num_context]
-    v = _gather(value_pool, span.block_ids, 1)[:, :, : span.num_context]
+    k = _gather(key_pool, span.pool_rows, 1).transpose(0, 1)[:, :, : span.num_context]
+    v = _gather(value_pool, span.pool_rows, 1).transpose(0, 1)[:, :, : span.num_context]
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=True
     )
