@@ -70,12 +70,27 @@ class Publisher:
         self.inflight: dict[str, InFlight] = {}
         self.orphans: set[str] = set()  # to abort at the next step
         self._tasks: set[asyncio.Task] = set()  # finishing requests, quota updates
+        # Publishes run one at a time, in call order: a request's events keep their order
+        # (the journal refuses a `seq` below its last) even when the worker loop publishes
+        # a step's outputs while the next step computes.
+        self._last_publish: asyncio.Task | None = None
 
     def track(self, entry: StreamEntry) -> None:
         self.inflight[entry.request.request_id] = InFlight(entry)
         self._spawn(self._mark_started(entry.request))
 
-    async def publish(self, outputs: list[SequenceOutput]) -> None:
+    def publish(self, outputs: list[SequenceOutput]) -> asyncio.Task:
+        """Publish a step's outputs after everything published before (await the task)."""
+        task = asyncio.ensure_future(self._publish_after(self._last_publish, outputs))
+        self._last_publish = task
+        return task
+
+    async def _publish_after(self, previous: asyncio.Task | None, outputs) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])  # its error, if any, is its own caller's
+        await self._publish(outputs)
+
+    async def _publish(self, outputs: list[SequenceOutput]) -> None:
         tokens = [o for o in outputs if not o.is_finished and o.text and self._is_live(o)]
         if tokens:
             async with self._redis.pipeline(transaction=False) as pipe:

@@ -133,12 +133,15 @@ class Worker:
     async def _loop(self, engine, intake, publisher, tokenizer, eos_token_ids) -> None:
         idle_ms = self._settings.worker_idle_poll_ms
         drain_deadline_s = math.inf
+        # A step's outputs are published while the next step computes (publishes keep their
+        # call order: `Publisher.publish`); at most one step's is behind.
+        publishing: asyncio.Task | None = None
         while engine.has_work() or not self._stopping.is_set():
             if self._stopping.is_set() and drain_deadline_s == math.inf:
                 drain_deadline_s = time.monotonic() + self._settings.worker_drain_timeout_s
                 await self._hand_back(engine, intake, publisher)
             if time.monotonic() > drain_deadline_s:
-                return  # `_end_unfinished` ends what is left
+                break  # `_end_unfinished` ends what is left
             entries, self._reclaimed = self._reclaimed, []
             free = engine.num_free_slots()
             if free and not self._stopping.is_set():
@@ -158,7 +161,11 @@ class Worker:
             await publisher.publish(engine.expire(time.time()))
             if engine.has_work():
                 outputs = await self._on_engine_thread(engine.step)
-                await publisher.publish(outputs)
+                if publishing is not None:
+                    await publishing
+                publishing = publisher.publish(outputs)
+        if publishing is not None:
+            await publishing
 
     async def _hand_back(self, engine, intake: Intake, publisher: Publisher) -> None:
         """Give the requests that have not started to the other workers, at once."""
