@@ -71,7 +71,7 @@ def bench(
     batching: Annotated[str, typer.Option(help="Engine-direct engine.")] = "continuous",
     max_batch_size: int = 8,
     max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 256,
+    max_num_batched_tokens: int = 192,
     kv_cache_gb: float | None = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16")] = "auto",
     json_path: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,

@@ -100,7 +100,7 @@ def worker(
     max_num_seqs: Annotated[int, typer.Option(help="continuous: sequences in the batch.")] = 64,
     max_num_batched_tokens: Annotated[
         int, typer.Option(help="continuous: tokens per step (prefill chunk budget).")
-    ] = 256,
+    ] = 192,
     block_size: Annotated[int, typer.Option(help="continuous: tokens per KV block.")] = 16,
     kv_cache_gb: Annotated[
         float | None,

@@ -39,6 +39,28 @@ def test_long_prompt_is_chunked_within_the_budget_and_decodes_go_first():
     assert out.num_batched_tokens <= 16
 
 
+def test_late_chunks_of_a_long_prompt_shrink_with_their_context():
+    # Budget 256, attention cap 256 x 512: chunks deep into a 2,048-token prompt get shorter,
+    # so no step's prefill attention (chunk x context) exceeds the cap.
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+        KVCacheManager(200, 16),
+        FifoQueue(),
+        LatestArrivalFirst(),
+    )
+    s.add(make_sequence(0, 2048, 2))
+    chunks = []
+    while not chunks or chunks[-1].end < 2048:
+        out, _ = _run_step(s)
+        chunks += out.prefills
+    sizes = [c.num_new_tokens for c in chunks]
+    assert sizes[:2] == [256, 256]  # early chunks: the budget is the limit
+    assert all(c.num_new_tokens * c.end <= 256 * 512 for c in chunks)
+    assert sorted(sizes, reverse=True) == sizes
+    assert max(c.num_new_tokens for c in chunks if c.end > 1024) <= 128
+    assert [c.start for c in chunks[1:]] == [c.end for c in chunks[:-1]]  # contiguous, whole
+
+
 def test_new_request_joins_while_others_decode_and_finished_leave_at_once():
     s = _scheduler()
     a = make_sequence(0, 4, 3)

@@ -33,7 +33,7 @@ class EngineConfig:
     batching: str = "continuous"  # "continuous" | "static" | "one"
     max_batch_size: int = 8  # static batching
     max_num_seqs: int = 64  # continuous batching: sequences in the batch
-    max_num_batched_tokens: int = 256  # continuous batching: tokens per step (chunked prefill)
+    max_num_batched_tokens: int = 192  # continuous batching: tokens per step (chunked prefill)
     block_size: int = 16  # tokens per KV block
     kv_cache_gb: float | None = (
         None  # KV pool size; None: 2 GB on CPU, a fraction of free GPU memory

@@ -56,10 +56,17 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills
 
 
+MIN_PREFILL_CHUNK = 16
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # token budget per step: bounds step time, so decode ITL
+    # A prefill chunk's attention costs (chunk tokens x context): late chunks of a long prompt
+    # are cut so that product stays under this (256 x 512), or one 256-token chunk at 2,048
+    # tokens of context makes its step 4x a decode step (docs/benchmarks.md).
+    max_prefill_attention: int = 256 * 512
     max_step_failures: int = 2  # a sequence that fails alone this often is dead-lettered
 
 
@@ -192,12 +199,21 @@ class Scheduler:
         """Schedule `seq`'s next tokens within `budget`; the budget left."""
         if budget == 0 or seq.status is not SequenceStatus.RUNNING:
             return budget  # out of budget, or preempted earlier in this step
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        num_new = self._chunk_size(seq, budget)
         if not self._make_room(seq, num_new, scheduled, out):
             return budget
         self._schedule_chunk(seq, num_new, out)
         scheduled.add(id(seq))
         return budget - num_new
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """How many of `seq`'s tokens to compute next: what is left, within the budget, and
+        for a prompt chunk deep into a long prompt, within `max_prefill_attention`."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if num_new <= MIN_PREFILL_CHUNK:
+            return num_new
+        context = seq.num_computed_tokens + num_new
+        return max(MIN_PREFILL_CHUNK, min(num_new, self.config.max_prefill_attention // context))
 
     def _is_waiting_ahead_of(self, seq: Sequence) -> bool:
         head = self.waiting.peek()
@@ -227,7 +243,7 @@ class Scheduler:
         self._charge(seq, seq.num_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self._schedule_chunk(seq, min(seq.num_tokens, budget), out)
+        self._schedule_chunk(seq, self._chunk_size(seq, budget), out)
         scheduled.add(id(seq))
         return True
 
