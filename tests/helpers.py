@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 from sqlmodel import Session, select
 
-from shared.tables import UsageRecord
+from shared import keys
+from shared.tables import ModelDeployment, UsageRecord
 
 
 @dataclass
@@ -101,3 +104,45 @@ def wait_for_usage_record(db, request_id: str, timeout_s: float = 30) -> UsageRe
             return record
         time.sleep(0.1)
     raise AssertionError(f"no usage record for {request_id}")
+
+
+def add_deployment(db, model_id: str) -> ModelDeployment:
+    """A deployment row of the test's own (usage records refer to one)."""
+    with Session(db) as session:
+        deployment = ModelDeployment(model_id=model_id, source="x", max_context_tokens=100)
+        session.add(deployment)
+        session.commit()
+        session.refresh(deployment)
+        return deployment
+
+
+def llmfleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """Run the `llmfleet` command line (as `python -m shared.cli`) to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+PENDING_DRAIN_TIMEOUT_S = 30.0
+
+
+def wait_pending_drained(client, streams: list[str]) -> dict[str, int]:
+    """XPENDING of every stream, once all reach 0 or the timeout passes. A worker
+    acknowledges an entry just after the request's final event, so a client that has its
+    answer may look a moment before the entry is gone."""
+    deadline = time.monotonic() + PENDING_DRAIN_TIMEOUT_S
+    while True:
+        pending = {s: _pending(client, s) for s in streams}
+        if not any(pending.values()) or time.monotonic() > deadline:
+            return pending
+        time.sleep(0.2)
+
+
+def _pending(client, stream: str) -> int:
+    if not client.exists(stream):
+        return 0
+    return client.xpending(stream, keys.WORKER_GROUP)["pending"]

@@ -18,19 +18,13 @@ from sqlmodel import select
 from shared import control, usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest, SamplingParams
-from shared.tables import ModelDeployment, RequestContent, Tenant, UsageRecord
-from tests.helpers import auth, stream, wait_for_usage_record
+from shared.tables import RequestContent, Tenant, UsageRecord
+from tests.helpers import add_deployment, auth, stream, wait_for_usage_record
 
 
 @pytest.fixture(scope="module")
 def deployment_id(db) -> int:
-    with session_scope(db) as session:
-        deployment = ModelDeployment(
-            model_id=f"control-{uuid.uuid4().hex[:6]}", source="x", max_context_tokens=64
-        )
-        session.add(deployment)
-        session.commit()
-        return deployment.id
+    return add_deployment(db, f"control-{uuid.uuid4().hex[:6]}").id
 
 
 def make_event(tenant_id: str, deployment_id: int, *, retention_days: int | None = None):

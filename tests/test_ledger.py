@@ -14,7 +14,8 @@ from shared import ledger, usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import Settings
-from shared.tables import ModelDeployment, UsageRecord
+from shared.tables import UsageRecord
+from tests.helpers import add_deployment
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +27,7 @@ def key(settings) -> bytes:
 
 @pytest.fixture(scope="module")
 def deployment_id(db) -> int:
-    with session_scope(db) as session:
-        deployment = ModelDeployment(
-            model_id=f"ledger-{uuid.uuid4().hex[:6]}", source="x", max_context_tokens=64
-        )
-        session.add(deployment)
-        session.commit()
-        return deployment.id
+    return add_deployment(db, f"ledger-{uuid.uuid4().hex[:6]}").id
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from shared import ledger, tenants, usage
 from shared.db import create_schema
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import _with_psycopg_driver
-from shared.tables import ModelDeployment, UsageRecord
+from shared.tables import UsageRecord
+from tests.helpers import add_deployment
 
 URL = _with_psycopg_driver(
     os.environ.get("DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/test"
@@ -50,11 +51,7 @@ def test_keys_and_usage_on_postgres(pg):
     key = tenants.create_key(pg, tenant.id, b"pepper")
     assert tenants.authenticate(pg, key, b"pepper").tenant_id == tenant.id
     assert tenants.authenticate(pg, key, b"other-pepper") is None
-    with Session(pg) as session:
-        deployment = ModelDeployment(model_id="m", source="x", max_context_tokens=100)
-        session.add(deployment)
-        session.commit()
-        deployment_id = deployment.id
+    deployment_id = add_deployment(pg, "m").id
     request = QueuedRequest(
         request_id="cmpl-pg",
         tenant_id=tenant.id,
@@ -81,11 +78,7 @@ def test_migrations_match_the_tables_on_postgres(pg):
 
 def test_concurrent_appends_keep_one_chain_on_postgres(pg):
     tenant = tenants.create_tenant(pg, "pg-ledger")
-    with Session(pg) as session:
-        deployment = ModelDeployment(model_id="m-ledger", source="x", max_context_tokens=100)
-        session.add(deployment)
-        session.commit()
-        deployment_id = deployment.id
+    deployment_id = add_deployment(pg, "m-ledger").id
 
     def append(i: int) -> None:
         request = QueuedRequest(

@@ -20,7 +20,7 @@ from shared import deployments, keys
 from shared.protocol import decode_event
 from shared.tables import UsageRecord
 from tests.factories import make_request
-from tests.helpers import auth, stream, wait_for_usage_record
+from tests.helpers import auth, stream, wait_for_usage_record, wait_pending_drained
 
 # Workers that are found dead within 2 s.
 FAST_HEARTBEAT = {"LLMFLEET_WORKER_HEARTBEAT_S": "0.5", "LLMFLEET_WORKER_HEARTBEAT_TIMEOUT_S": "2"}
@@ -102,7 +102,7 @@ def test_a_dead_workers_waiting_entry_is_served_by_another_worker(
         response = answer.result(timeout=120)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] == "length"
-    assert rdb.xpending(stream_key, keys.WORKER_GROUP)["pending"] == 0
+    assert wait_pending_drained(rdb, [stream_key]) == {stream_key: 0}
 
 
 def test_sigterm_finishes_running_work_and_loses_nothing(

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from datetime import UTC, date, datetime, timedelta
 
@@ -16,18 +14,12 @@ from shared import usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.tables import ModelDeployment, Tenant
-from tests.helpers import auth
+from tests.helpers import add_deployment, auth, llmfleet
 
 
 @pytest.fixture(scope="module")
 def deployment(db) -> ModelDeployment:
-    with session_scope(db) as session:
-        deployment = ModelDeployment(
-            model_id=f"report-{uuid.uuid4().hex[:6]}", source="x", max_context_tokens=64
-        )
-        session.add(deployment)
-        session.commit()
-        return deployment
+    return add_deployment(db, f"report-{uuid.uuid4().hex[:6]}")
 
 
 def record(
@@ -113,44 +105,34 @@ def test_the_endpoint_needs_a_key(api_url):
     assert httpx.get(f"{api_url}/v1/usage", params=params).status_code == 401
 
 
-def _llmfleet(env, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_report_and_verify_commands(db, env, settings, make_tenant, deployment):
     tenant_id, _key = make_tenant("report-cli")
     with session_scope(db) as session:
         name = session.get(Tenant, tenant_id).name
     record(db, settings, tenant_id, deployment.id, NOON, 3)
-    report = _llmfleet(env, "usage", "report", "--start", "2026-03-10", "--end", "2026-03-10")
+    report = llmfleet(env, "usage", "report", "--start", "2026-03-10", "--end", "2026-03-10")
     assert report.returncode == 0, report.stderr
     [line] = [line for line in report.stdout.splitlines() if line.startswith(name)]
     assert line.split()[-4:] == ["1", "2", "3", "5"]
-    verify = _llmfleet(env, "usage", "verify", "--tenant", name)
+    verify = llmfleet(env, "usage", "verify", "--tenant", name)
     assert (verify.returncode, verify.stdout.strip()) == (0, "OK"), verify.stderr
-    exported = _llmfleet(env, "usage", "export-heads")
+    exported = llmfleet(env, "usage", "export-heads")
     assert exported.returncode == 0, exported.stderr
     with db.begin() as conn:
         conn.exec_driver_sql(
             "UPDATE usagerecord SET output_tokens = 0 WHERE tenant_id = ?", (tenant_id,)
         )
-    verify = _llmfleet(env, "usage", "verify", "--tenant", name)
+    verify = llmfleet(env, "usage", "verify", "--tenant", name)
     assert verify.returncode == 1 and "seq 1: edited" in verify.stdout
 
 
 def test_tenant_commands_set_the_retention_policy(db, env):
     name = f"retention-cli-{uuid.uuid4().hex[:6]}"
-    assert _llmfleet(env, "tenant", "create", name, "--retention-days", "7").returncode == 0
-    assert _llmfleet(env, "tenant", "update", name, "--retention-days", "0").returncode == 0
+    assert llmfleet(env, "tenant", "create", name, "--retention-days", "7").returncode == 0
+    assert llmfleet(env, "tenant", "update", name, "--retention-days", "0").returncode == 0
     with session_scope(db) as session:
         tenant = session.exec(select(Tenant).where(Tenant.name == name)).one()
         assert tenant.content_retention_days is None
-    assert _llmfleet(env, "tenant", "update", name, "--retention-days", "30").returncode == 0
+    assert llmfleet(env, "tenant", "update", name, "--retention-days", "30").returncode == 0
     with session_scope(db) as session:
         assert session.get(Tenant, tenant.id).content_retention_days == 30

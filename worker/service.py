@@ -157,8 +157,9 @@ class Worker:
                 if (refused := engine.add(seq)) is not None:
                     await publisher.publish([refused])
             aborted = self._take_cancels(publisher) | publisher.take_orphans()
-            await publisher.publish(engine.abort(aborted))
-            await publisher.publish(engine.expire(time.time()))
+            # Usually nothing: no publish (a task) for an empty list on every step.
+            if ended := engine.abort(aborted) + engine.expire(time.time()):
+                await publisher.publish(ended)
             if engine.has_work():
                 outputs = await self._on_engine_thread(engine.step)
                 if publishing is not None:

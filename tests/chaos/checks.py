@@ -4,7 +4,6 @@ and the summary table of a scenario."""
 from __future__ import annotations
 
 import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -17,7 +16,6 @@ from tests.chaos.client import RequestLog
 
 COMPLETED = {"stop", "length"}
 EXPIRED_ERRORS = {"queue_timeout"}
-PENDING_DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,22 +109,6 @@ def _check_against_journal(log: RequestLog, events: list, *, is_complete: bool) 
 
 def _brief(ids: list[int]) -> str:
     return str(ids) if len(ids) < 12 else f"[{ids[0]}..{ids[-1]}] ({len(ids)})"
-
-
-def wait_pending_drained(client: redis.Redis, streams: list[str]) -> dict[str, int]:
-    """XPENDING of every tenant stream, once it reaches 0 or the timeout passes."""
-    deadline = time.monotonic() + PENDING_DRAIN_TIMEOUT_S
-    while True:
-        pending = {s: _pending(client, s) for s in streams}
-        if not any(pending.values()) or time.monotonic() > deadline:
-            return pending
-        time.sleep(0.2)
-
-
-def _pending(client: redis.Redis, stream: str) -> int:
-    if not client.exists(stream):
-        return 0
-    return client.xpending(stream, keys.WORKER_GROUP)["pending"]
 
 
 def summary(name: str, logs: list[RequestLog], states: list[str], wall_s: float) -> str:

@@ -20,6 +20,7 @@ import pytest
 from tests.chaos import checks
 from tests.chaos.client import LoadClient, make_specs
 from tests.chaos.harness import Stack
+from tests.helpers import wait_pending_drained
 
 NUM_REQUESTS = int(os.environ.get("LLMFLEET_CHAOS_REQUESTS", "64"))
 CONCURRENCY = 24
@@ -163,7 +164,7 @@ async def test_chaos(name, chaos_stack, chaos_report):
     wall_s = time.monotonic() - started_s
 
     with stack.redis() as r:
-        pending = await asyncio.to_thread(checks.wait_pending_drained, r, stack.tenant_streams())
+        pending = await asyncio.to_thread(wait_pending_drained, r, stack.tenant_streams())
         usage = await _wait_usage(stack, [log.request_id for log in logs if log.request_id])
         journals = {log.request_id: checks.journal(r, log.request_id) for log in logs}
     states = [checks.final_state(log, _first(usage.get(log.request_id))) for log in logs]
