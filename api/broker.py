@@ -181,6 +181,8 @@ class Subscription:
             owner = meta.get("owner")
             if owner is None or await self.redis.exists(keys.worker_heartbeat(owner)):
                 return  # its worker is alive
+            if not await recovery.is_broker_settled(self.redis, self.timing.lost_after_s):
+                return  # the broker just restarted: its worker may not have beaten yet
             code, message = "worker_lost", "the worker generating this request stopped"
         entry: tuple[str, str] | None = (meta["stream"], meta["entry_id"])
         request = await _queued_request(self.redis, *entry)

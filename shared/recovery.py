@@ -60,6 +60,15 @@ async def end_lost(
     return True
 
 
+async def is_broker_settled(redis: aioredis.Redis, heartbeat_timeout_s: float) -> bool:
+    """Whether Redis has been up long enough for a missing heartbeat to mean a dead worker.
+    Just after a broker restart every heartbeat key may be gone (they expired while it was
+    down, or were lost with the last second of its append-only file) while the workers are
+    still reconnecting: ending their requests as lost then would end live streams."""
+    info = await redis.info("server")
+    return float(info.get("uptime_in_seconds", 0)) > 2 * heartbeat_timeout_s
+
+
 async def ack(redis: aioredis.Redis, stream: str, entry_id: str) -> None:
     """Acknowledge and delete a queue entry (the stream is a queue, and it holds the prompt)."""
     async with redis.pipeline(transaction=True) as pipe:

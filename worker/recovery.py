@@ -13,7 +13,8 @@ so an entry stays idle longer than the heartbeat timeout only when its worker ha
 
 An entry can also be idle because the broker was away (its worker could not refresh it):
 one of this worker's own is left alone, and one whose owner still heartbeats goes back
-to it.
+to it. Right after a broker restart nothing is reclaimed for two heartbeat timeouts: the
+heartbeat keys may all be gone while the workers reconnect (`recovery.is_broker_settled`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Reclaimer:
 
     async def reclaim(self) -> list[StreamEntry]:
         """Dead workers' entries: the ones to serve here (not started); the rest are settled."""
+        if not await recovery.is_broker_settled(self._redis, self._timeout_ms / 1000):
+            return []  # the broker just restarted: every entry looks idle, owners re-beat
         to_serve = []
         for entry in await self._intake.claim_idle(self._timeout_ms, MAX_RECLAIMED_PER_STREAM):
             request_id = entry.request.request_id
