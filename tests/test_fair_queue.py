@@ -148,3 +148,41 @@ def test_fifo_queue_keeps_arrival_order_across_tenants():
     back = _seq("b")
     q.push_front(back)
     assert [q.pop() for _ in range(4)] == [back, *seqs]
+
+
+def test_a_tenant_whose_requests_all_run_shares_the_rounds():
+    # b's one request decodes while a keeps waiting; both are charged as they compute, and
+    # both take part in the rounds, so b's next request is not queued behind a's refills.
+    q = FairQueue(quantum_tokens=100)
+    _fill(q, "a", 50)
+    q.push(_seq("b"))
+    b_running = q.pop()
+    assert b_running.tenant_id == "b"
+    for _ in range(20):
+        q.charge(q.pop(), 100)
+        q.charge(b_running, 10)  # a decode step's worth of b's tokens
+    q.push(b_next := _seq("b"))
+    assert q.pop() is b_next
+
+
+def test_prefill_order_follows_computed_service_per_weight():
+    q = FairQueue(quantum_tokens=100)
+    light, heavy = _seq("light", weight=2), _seq("heavy", weight=1)
+    q.push(light)
+    q.push(heavy)
+    q.served(light, 300)  # 150 per unit of weight
+    q.served(heavy, 200)
+    assert q.priority(heavy) < q.priority(light)
+    q.served(heavy, 200)  # 400 per unit of weight
+    assert q.priority(light) < q.priority(heavy)
+
+
+def test_a_returning_tenant_leads_the_least_served_waiting_tenant_by_one_quantum_at_most():
+    q = FairQueue(quantum_tokens=100)
+    _fill(q, "a", 5)
+    a = q.peek()
+    q.served(a, 10_000)  # b was idle all this time: that earns it no lead
+    q.push(b := _seq("b"))
+    assert q.priority(b) < q.priority(a)  # its next prompt goes first...
+    q.served(b, 101)
+    assert q.priority(a) < q.priority(b)  # ...but only for one quantum's worth of tokens

@@ -7,6 +7,7 @@ from worker.fair_queue import FairQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.scheduler import Scheduler, SchedulerConfig
+from worker.sequence import SequenceStatus
 
 
 def _running(i: int, tenant: str, num_blocks: int, *, tier: int = 1, weight: int = 1):
@@ -118,3 +119,34 @@ def test_a_light_tenants_new_prompt_goes_before_a_heavy_tenants_prompt_chunks():
         ("light", 8),
         ("heavy", 8),
     ]
+
+
+def test_a_light_tenants_decodes_do_not_put_its_next_prompt_behind_a_flood():
+    # light decodes a long answer while heavy floods. Charged for every decode token with
+    # nothing waiting, light must not sink into debt behind heavy, whose waiting requests
+    # earn it a quantum every round: light has had far less computed than heavy, so its
+    # next prompt takes the first free slot and each of its chunks goes first.
+    queue = FairQueue(quantum_tokens=64)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+        KVCacheManager(1000, 4),
+        queue,
+        TenantAwarePreemption(),
+    )
+    scheduler.add(make_sequence(0, 4, 400, tenant_id="light"))
+    for i in range(1, 200):
+        scheduler.add(make_sequence(i, 64, 16, tenant_id="heavy"))
+    for _ in range(150):
+        _step(scheduler)
+    prompt = make_sequence(1000, 60, 4, tenant_id="light")
+    scheduler.add(prompt)
+    running_at_arrival = {seq.request_id for seq in scheduler.running}
+    started_before = set()
+    while prompt.status is SequenceStatus.WAITING:
+        _step(scheduler)
+        started_before |= {seq.request_id for seq in scheduler.running}
+    assert started_before - running_at_arrival == {prompt.request_id}
+    while prompt.num_output_tokens == 0:
+        out = scheduler.schedule()
+        assert out.prefills[0].seq is prompt
+        scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])

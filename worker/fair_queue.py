@@ -14,19 +14,36 @@ Sheng et al., OSDI'24):
   round-robin; after each pick the pointer moves on, so tenants interleave request by request.
 - When no waiting tenant of the tier has a positive deficit, a round begins: each of them
   gains `quantum_tokens * weight` (as many rounds at once as it takes for one to become
-  eligible). Tenants with nothing waiting gain nothing: credit never accrues while idle.
+  eligible), and so does each tenant of the tier charged since the last round (its running
+  sequences took part in it). Tenants with nothing waiting or running gain nothing: credit
+  never accrues while idle.
 - Charges: a sequence's tokens to (re)compute when it is started (its prompt, or its prompt
   and output so far after a preemption: recompute is charged) and one token per decode step.
   Charges apply whether or not the tenant is waiting, so a tenant with many running
-  sequences falls behind one that waits.
+  sequences falls behind one that waits. Without the rounds for running tenants, a light
+  tenant whose requests all run would pay for every decode with nothing to set against it,
+  while a flooding tenant, always waiting, is refilled every round: the light tenant's next
+  request would queue behind the flood.
 - A tenant that starts waiting again keeps any debt, but gives up credit above the level of
   the competition (VTC's counter lift): its deficit per unit of weight is capped at the
   highest of the tenants already waiting in its tier, or, when none is, at that of the
   tenant that last stopped waiting; without debt it is set to that level. Using idle
-  capacity is therefore not punished, and staying away earns nothing. It is visited next, ahead of the backlogged tenants' next
-  turn: a light tenant's request does not queue behind a heavy tenant's round.
+  capacity is therefore not punished, and staying away earns nothing. It is visited next,
+  ahead of the backlogged tenants' next turn: a light tenant's request does not queue
+  behind a heavy tenant's round.
 
 It is work-conserving: whenever any sequence waits, `peek()` returns one.
+
+The order of prefill work *within* a step (the next chunk of an admitted prompt, or the
+admission of the next waiting sequence: `priority`) follows VTC's virtual counter instead:
+the tokens each tenant has had *computed* (`served`), per unit of weight, the least served
+first. Counters only grow. A tenant that starts waiting is lifted to one quantum below the
+lowest counter of the tenants waiting in its tier (none waiting: below that of the tenant
+that last stopped waiting), so a light tenant's prompt of up to a quantum goes before a
+flood's chunks, and staying away earns no more lead than that. The deficit cannot order
+this work: it is charged a whole prompt at admission, and it measures credit against
+rounds, not service received, so the tenant of a half-prefilled prompt looks further behind
+than it is (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -51,6 +68,7 @@ class WaitingQueue(Protocol):
     def pop(self) -> Sequence: ...
     def remove(self, seq: Sequence) -> None: ...
     def charge(self, seq: Sequence, num_tokens: int) -> None: ...
+    def served(self, seq: Sequence, num_tokens: int) -> None: ...
     def priority(self, seq: Sequence) -> tuple:
         """Sort key of prefill work within a step: smaller goes first."""
         ...
@@ -64,6 +82,7 @@ class TenantState:
     tier: int
     weight: int
     deficit: float = 0.0
+    service: float = 0.0  # VTC counter: tokens computed per unit of weight, lifted
     waiting: deque[Sequence] = field(default_factory=deque)
 
     @property
@@ -81,6 +100,7 @@ class FairQueue:
         # Waiting tenants per tier, in round-robin order: the head is visited next.
         self._rings: dict[int, deque[str]] = {}
         self._last_left: str | None = None
+        self._charged_since_rounds: set[str] = set()
         self._num_waiting = 0
         self.num_tokens_charged: Counter[str] = Counter()
 
@@ -131,21 +151,21 @@ class FairQueue:
     def charge(self, seq: Sequence, num_tokens: int) -> None:
         """Charge tokens computed for `seq` (prefill, recompute or decode) to its tenant."""
         self._tenant(seq).deficit -= num_tokens
+        self._charged_since_rounds.add(seq.tenant_id)
         self.num_tokens_charged[seq.tenant_id] += num_tokens
 
-    def priority(self, seq: Sequence) -> tuple[int, float, float]:
-        """Higher tier, then the tenant with the most credit per unit of weight, then age.
+    def served(self, seq: Sequence, num_tokens: int) -> None:
+        """Count tokens computed for `seq` (a prompt chunk, recompute or decode) in its
+        tenant's virtual counter."""
+        tenant = self._tenant(seq)
+        tenant.service += num_tokens / tenant.weight
 
-        A running sequence's own tokens charged at admission but not computed yet are added
-        back: its place depends on the service its tenant has had, not on the prompt it is
-        still working through (else a light tenant's long prompt, charged in full when it
-        was admitted, would fall behind a heavy tenant's chunks).
-        """
+    def priority(self, seq: Sequence) -> tuple[int, float, float]:
+        """Higher tier, then the tenant with the least computed service per unit of weight,
+        then, within a tenant, age."""
         tenant = self.tenants.get(seq.tenant_id)
-        if tenant is None:
-            return (-seq.tier, 0.0, seq.arrival_s)
-        num_pending = max(0, seq.num_charged_tokens - seq.num_computed_tokens)
-        return (-seq.tier, -(tenant.deficit + num_pending) / tenant.weight, seq.arrival_s)
+        service = 0.0 if tenant is None else tenant.service
+        return (-seq.tier, service, seq.arrival_s)
 
     def _enqueue(self, seq: Sequence, *, at_front: bool) -> None:
         tenant = self._tenant(seq)
@@ -175,6 +195,13 @@ class FairQueue:
             cap = self.tenants[self._last_left].level
         else:
             cap = math.inf
+        if competitors:
+            floor = min(t.service for t in competitors)
+        elif self._last_left is not None and self._last_left != tenant_id:
+            floor = self.tenants[self._last_left].service
+        else:
+            floor = tenant.service
+        tenant.service = max(tenant.service, floor - self.quantum_tokens)
         if tenant.deficit >= 0 and cap < math.inf:
             tenant.deficit = cap * tenant.weight  # no debt: level with its competition
         else:
@@ -199,13 +226,26 @@ class FairQueue:
 
     def _start_rounds(self, ring: deque[str]) -> None:
         """Add as many rounds of quantum * weight as it takes for one waiting tenant to become
-        eligible (deficit > 0), all at once."""
+        eligible (deficit > 0), all at once. The rounds go to the waiting tenants and to the
+        tenants of the tier charged since the last rounds (their running sequences took part
+        in them): else a tenant whose requests are all running would pay for its decodes with
+        no quantum to set against them, and its next request would queue behind the rounds
+        a waiting tenant is refilled by."""
         states = [self.tenants[t] for t in ring]
         num_rounds = min(
             math.floor(-t.deficit / (self.quantum_tokens * t.weight)) + 1 for t in states
         )
-        for t in states:
+        tier = states[0].tier
+        running = [
+            self.tenants[t]
+            for t in self._charged_since_rounds
+            if t not in ring and self.tenants[t].tier == tier
+        ]
+        for t in states + running:
             t.deficit += num_rounds * self.quantum_tokens * t.weight
+        self._charged_since_rounds -= {
+            t for t in self._charged_since_rounds if self.tenants[t].tier == tier
+        }
 
 
 class FifoQueue:
@@ -242,6 +282,9 @@ class FifoQueue:
 
     def charge(self, seq: Sequence, num_tokens: int) -> None:
         self.num_tokens_charged[seq.tenant_id] += num_tokens
+
+    def served(self, seq: Sequence, num_tokens: int) -> None:
+        pass  # arrival order needs no account of service
 
     def priority(self, seq: Sequence) -> tuple[float]:
         return (seq.arrival_s,)

@@ -117,9 +117,9 @@ class Scheduler:
         """First the decodes of running sequences, oldest first, one token each, while the
         step's token budget lasts. Then prefill work (the next chunk of a running sequence's
         prompt, or of its recompute, and the admission of waiting sequences) in the waiting
-        queue's priority order: with fair queuing, the tenant furthest below its weighted
-        share first, so a light tenant's new prompt does not wait behind a heavy tenant's
-        chunks; with FIFO, oldest first. When a running sequence needs a KV block and none is
+        queue's priority order: with fair queuing, the tenant with the least computed
+        service per unit of weight first, so a light tenant's prompt does not wait behind
+        a heavy tenant's chunks; with FIFO, oldest first. When a running sequence needs a KV block and none is
         free, the policy picks a victim among the running sequences not yet scheduled this
         step (possibly the sequence itself); the victim's blocks are freed and it goes back
         to the front of its tenant's queue, to be recomputed. A waiting sequence is admitted
@@ -277,6 +277,7 @@ class Scheduler:
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens = chunk.end
             chunk.seq.num_computed_total += chunk.num_new_tokens
+            self.waiting.served(chunk.seq, chunk.num_new_tokens)
             self._charge(chunk.seq, chunk.end)  # decodes; prefill was charged at admission
         if self.suspects and [c.seq for c in out.chunks] == [self.suspects[0]]:
             self.suspects.popleft()  # it ran alone without failing: not at fault
