@@ -171,9 +171,9 @@ def test_prefill_order_follows_computed_service_per_weight():
     q.push(light)
     q.push(heavy)
     q.served(light, 300)  # 150 per unit of weight
-    q.served(heavy, 200)
+    q.served(heavy, 100)
     assert q.priority(heavy) < q.priority(light)
-    q.served(heavy, 200)  # 400 per unit of weight
+    q.served(heavy, 100)  # 200 per unit of weight: more, though fewer tokens than light's
     assert q.priority(light) < q.priority(heavy)
 
 
