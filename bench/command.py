@@ -21,6 +21,8 @@ from typing import Annotated
 
 import typer
 
+from worker.fair_queue import DEFAULT_QUANTUM_TOKENS
+
 # Heavy modules (numpy, matplotlib, torch) are imported inside the functions, so that every
 # other `llmfleet` command starts fast.
 
@@ -73,6 +75,9 @@ def bench(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 192,
     kv_cache_gb: float | None = None,
+    quantum_tokens: Annotated[
+        int, typer.Option(help="Scenarios: fair queuing's tokens per round per unit of weight.")
+    ] = DEFAULT_QUANTUM_TOKENS,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16")] = "auto",
     json_path: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG here.")] = None,
@@ -88,6 +93,7 @@ def bench(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_gb=kv_cache_gb,
+            quantum_tokens=quantum_tokens,
         )
         _scenario(
             scenario, base, source, dtype, seed, scenario_duration_s, steady_rate_per_s, json_path

@@ -76,7 +76,16 @@ def noisy_neighbour(seed: int, duration_s: float, steady_rate_per_s: float) -> S
         specs = make_workload(
             count, seed=seed + offset, arrival="poisson", rate_per_s=rate_per_s, **shape
         )
-        return [dataclasses.replace(s, tenant=tenant, index=offset + s.index) for s in specs]
+        # Independent Poisson streams: each tenant's first request comes after its own
+        # exponential gap, not all three at 0 s (make_workload starts a single stream at 0,
+        # which here would make every tenant's first prompt arrive in the same instant).
+        first_s = np.random.default_rng(seed + offset + 1).exponential(1 / rate_per_s)
+        return [
+            dataclasses.replace(
+                s, tenant=tenant, index=offset + s.index, arrival_s=first_s + s.arrival_s
+            )
+            for s in specs
+        ]
 
     steady = traffic("B", 10_000, steady_rate_per_s, num_steady)
     steady += traffic("C", 20_000, steady_rate_per_s, num_steady)

@@ -37,7 +37,7 @@ class EmbeddedRedis:
             "--bind", "127.0.0.1",
             "--dir", str(self.data_dir),
             "--appendonly", "yes",
-            "--appendfsync", "everysec",
+            "--appendfsync", "always",
             "--save", "",
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),

@@ -150,19 +150,39 @@ def test_fifo_queue_keeps_arrival_order_across_tenants():
     assert [q.pop() for _ in range(4)] == [back, *seqs]
 
 
-def test_a_tenant_whose_requests_all_run_shares_the_rounds():
-    # b's one request decodes while a keeps waiting; both are charged as they compute, and
-    # both take part in the rounds, so b's next request is not queued behind a's refills.
+def test_a_tenant_less_served_than_its_competition_starts_level_with_it_whatever_its_debt():
+    # b's one request decodes while a keeps waiting. b is charged for each decode with no
+    # quantum to set against it (nothing of b waits), while a's deficit is refilled every
+    # round; yet b has had far less service than a, so its next request goes next.
+    q = FairQueue(quantum_tokens=100)
+    _fill(q, "a", 50)
+    q.push(_seq("b", prompt=300))
+    b_running = q.pop()
+    assert b_running.tenant_id == "b"
+    q.charge(b_running, 300)  # its prompt, charged in full at admission
+    for _ in range(20):
+        a = q.pop()
+        q.charge(a, 100)
+        q.served(a, 100)
+        q.charge(b_running, 10)  # a decode step's worth of b's tokens
+        q.served(b_running, 10)
+    q.push(b_next := _seq("b"))
+    assert q.pop() is b_next
+
+
+def test_a_tenant_served_beyond_its_competition_waits_its_turn_on_return():
     q = FairQueue(quantum_tokens=100)
     _fill(q, "a", 50)
     q.push(_seq("b"))
     b_running = q.pop()
-    assert b_running.tenant_id == "b"
-    for _ in range(20):
-        q.charge(q.pop(), 100)
-        q.charge(b_running, 10)  # a decode step's worth of b's tokens
-    q.push(b_next := _seq("b"))
-    assert q.pop() is b_next
+    q.served(b_running, 1_000)  # 10 quanta more than a has had
+    q.push(_seq("b"))
+    picks = []
+    for _ in range(12):
+        seq = q.pop()
+        q.charge(seq, 100)  # a quantum each
+        picks.append(seq.tenant_id)
+    assert picks == ["a"] * 10 + ["b", "a"]  # b sits out the 10 quanta it is ahead by
 
 
 def test_prefill_order_follows_computed_service_per_weight():

@@ -14,36 +14,34 @@ Sheng et al., OSDI'24):
   round-robin; after each pick the pointer moves on, so tenants interleave request by request.
 - When no waiting tenant of the tier has a positive deficit, a round begins: each of them
   gains `quantum_tokens * weight` (as many rounds at once as it takes for one to become
-  eligible), and so does each tenant of the tier charged since the last round (its running
-  sequences took part in it). Tenants with nothing waiting or running gain nothing: credit
-  never accrues while idle.
+  eligible). Tenants with nothing waiting gain nothing: credit never accrues while idle.
 - Charges: a sequence's tokens to (re)compute when it is started (its prompt, or its prompt
   and output so far after a preemption: recompute is charged) and one token per decode step.
   Charges apply whether or not the tenant is waiting, so a tenant with many running
-  sequences falls behind one that waits. Without the rounds for running tenants, a light
-  tenant whose requests all run would pay for every decode with nothing to set against it,
-  while a flooding tenant, always waiting, is refilled every round: the light tenant's next
-  request would queue behind the flood.
-- A tenant that starts waiting again keeps any debt, but gives up credit above the level of
-  the competition (VTC's counter lift): its deficit per unit of weight is capped at the
-  highest of the tenants already waiting in its tier, or, when none is, at that of the
-  tenant that last stopped waiting; without debt it is set to that level. Using idle
-  capacity is therefore not punished, and staying away earns nothing. It is visited next,
-  ahead of the backlogged tenants' next turn: a light tenant's request does not queue
+  sequences falls behind one that waits.
+- Each tenant also has VTC's virtual counter: the tokens it has had *computed* (`served`),
+  per unit of weight. Counters only grow.
+- A tenant that starts waiting is placed against its competition (the tenants waiting in
+  its tier or, none waiting, the tenant that last stopped waiting), VTC's lift: its counter
+  is lifted to one quantum below the least-served competitor's, and its deficit is set to
+  the competition's highest level (deficit per unit of weight), less the service per unit
+  of weight it has had beyond the least-served competitor. So it keeps no credit for
+  staying away and using idle capacity is not punished; and it keeps no debt that its
+  service does not show. Deficits alone would keep such debt: a light tenant whose requests
+  all run is charged for each decode with no quantum to set against it (nothing of it
+  waits), while a flooding tenant, always waiting, is refilled every round, so the light
+  tenant's next request would queue behind the flood (docs/benchmarks.md). It is visited
+  next, ahead of the backlogged tenants' next turn: a light tenant's request does not queue
   behind a heavy tenant's round.
 
 It is work-conserving: whenever any sequence waits, `peek()` returns one.
 
-The order of prefill work *within* a step (the next chunk of an admitted prompt, or the
-admission of the next waiting sequence: `priority`) follows VTC's virtual counter instead:
-the tokens each tenant has had *computed* (`served`), per unit of weight, the least served
-first. Counters only grow. A tenant that starts waiting is lifted to one quantum below the
-lowest counter of the tenants waiting in its tier (none waiting: below that of the tenant
-that last stopped waiting), so a light tenant's prompt of up to a quantum goes before a
-flood's chunks, and staying away earns no more lead than that. The deficit cannot order
-this work: it is charged a whole prompt at admission, and it measures credit against
-rounds, not service received, so the tenant of a half-prefilled prompt looks further behind
-than it is (docs/benchmarks.md).
+The order of work *within* a step (`priority`: decodes, the next chunk of an admitted
+prompt, and the admission of the next waiting sequence) follows the counters: the least
+served tenant first, and within a tenant decodes before prefill work. A light tenant's
+prompt of up to a quantum thus goes before a flood's decodes and chunks. The deficit cannot
+order this work: it is charged a whole prompt at admission, and it measures credit against
+rounds rather than service received.
 """
 
 from __future__ import annotations
@@ -100,7 +98,6 @@ class FairQueue:
         # Waiting tenants per tier, in round-robin order: the head is visited next.
         self._rings: dict[int, deque[str]] = {}
         self._last_left: str | None = None
-        self._charged_since_rounds: set[str] = set()
         self._num_waiting = 0
         self.num_tokens_charged: Counter[str] = Counter()
 
@@ -151,7 +148,6 @@ class FairQueue:
     def charge(self, seq: Sequence, num_tokens: int) -> None:
         """Charge tokens computed for `seq` (prefill, recompute or decode) to its tenant."""
         self._tenant(seq).deficit -= num_tokens
-        self._charged_since_rounds.add(seq.tenant_id)
         self.num_tokens_charged[seq.tenant_id] += num_tokens
 
     def served(self, seq: Sequence, num_tokens: int) -> None:
@@ -160,12 +156,12 @@ class FairQueue:
         tenant = self._tenant(seq)
         tenant.service += num_tokens / tenant.weight
 
-    def priority(self, seq: Sequence) -> tuple[int, float, float]:
-        """Higher tier, then the tenant with the least computed service per unit of weight,
-        then, within a tenant, age."""
+    def priority(self, seq: Sequence) -> tuple[int, float, bool, float]:
+        """Higher tier, then the tenant with the least computed service per unit of weight;
+        within a tenant, decodes before prefill work, then age."""
         tenant = self.tenants.get(seq.tenant_id)
         service = 0.0 if tenant is None else tenant.service
-        return (-seq.tier, service, seq.arrival_s)
+        return (-seq.tier, service, _is_prefill(seq), seq.arrival_s)
 
     def _enqueue(self, seq: Sequence, *, at_front: bool) -> None:
         tenant = self._tenant(seq)
@@ -187,27 +183,25 @@ class FairQueue:
         return tenant
 
     def _start_waiting(self, tenant_id: str, tenant: TenantState) -> None:
+        """Place a tenant that starts waiting against its competition: the tenants waiting in
+        its tier or, none waiting, the tenant that last stopped waiting (VTC's lift).
+
+        Its counter is lifted to one quantum below the least-served competitor's. Its
+        deficit is set to the competition's highest level, less the service per unit of
+        weight it has had beyond the least-served competitor: it keeps no credit for
+        staying away, and no debt for a prompt it was charged in full that its service has
+        since made good (its decodes, charged while nothing of it waited, earned it no
+        quantum). It is visited next, ahead of the backlogged tenants' next turn.
+        """
         ring = self._rings.setdefault(tenant.tier, deque())
         competitors = [self.tenants[t] for t in ring]
-        if competitors:
-            cap = max(t.level for t in competitors)
-        elif self._last_left is not None and self._last_left != tenant_id:
-            cap = self.tenants[self._last_left].level
-        else:
-            cap = math.inf
+        if not competitors and self._last_left not in (None, tenant_id):
+            competitors = [self.tenants[self._last_left]]
         if competitors:
             floor = min(t.service for t in competitors)
-        elif self._last_left is not None and self._last_left != tenant_id:
-            floor = self.tenants[self._last_left].service
-        else:
-            floor = tenant.service
-        tenant.service = max(tenant.service, floor - self.quantum_tokens)
-        if tenant.deficit >= 0 and cap < math.inf:
-            tenant.deficit = cap * tenant.weight  # no debt: level with its competition
-        else:
-            tenant.deficit = min(tenant.deficit, cap * tenant.weight)
-        # Visited next: a tenant that had nothing waiting is served before the backlogged
-        # ones get another turn (it cannot run ahead of its share: its deficit was capped).
+            tenant.service = max(tenant.service, floor - self.quantum_tokens)
+            ahead = max(0.0, tenant.service - floor)
+            tenant.deficit = (max(t.level for t in competitors) - ahead) * tenant.weight
         ring.appendleft(tenant_id)
 
     def _stop_waiting(self, tenant_id: str) -> None:
@@ -226,26 +220,13 @@ class FairQueue:
 
     def _start_rounds(self, ring: deque[str]) -> None:
         """Add as many rounds of quantum * weight as it takes for one waiting tenant to become
-        eligible (deficit > 0), all at once. The rounds go to the waiting tenants and to the
-        tenants of the tier charged since the last rounds (their running sequences took part
-        in them): else a tenant whose requests are all running would pay for its decodes with
-        no quantum to set against them, and its next request would queue behind the rounds
-        a waiting tenant is refilled by."""
+        eligible (deficit > 0), all at once."""
         states = [self.tenants[t] for t in ring]
         num_rounds = min(
             math.floor(-t.deficit / (self.quantum_tokens * t.weight)) + 1 for t in states
         )
-        tier = states[0].tier
-        running = [
-            self.tenants[t]
-            for t in self._charged_since_rounds
-            if t not in ring and self.tenants[t].tier == tier
-        ]
-        for t in states + running:
+        for t in states:
             t.deficit += num_rounds * self.quantum_tokens * t.weight
-        self._charged_since_rounds -= {
-            t for t in self._charged_since_rounds if self.tenants[t].tier == tier
-        }
 
 
 class FifoQueue:
@@ -286,5 +267,11 @@ class FifoQueue:
     def served(self, seq: Sequence, num_tokens: int) -> None:
         pass  # arrival order needs no account of service
 
-    def priority(self, seq: Sequence) -> tuple[float]:
-        return (seq.arrival_s,)
+    def priority(self, seq: Sequence) -> tuple[bool, float]:
+        """Decodes before prefill work, each in arrival order."""
+        return (_is_prefill(seq), seq.arrival_s)
+
+
+def _is_prefill(seq: Sequence) -> bool:
+    """More than one token to compute: a prompt (chunk), recompute, or not started yet."""
+    return seq.num_tokens - seq.num_computed_tokens > 1

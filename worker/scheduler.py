@@ -114,20 +114,21 @@ class Scheduler:
         return sum(self.num_preemptions_by_tenant.values())
 
     def schedule(self) -> SchedulerOutput:
-        """First the decodes of running sequences, oldest first, one token each, while the
-        step's token budget lasts. Then prefill work (the next chunk of a running sequence's
-        prompt, or of its recompute, and the admission of waiting sequences) in the waiting
-        queue's priority order: with fair queuing, the tenant with the least computed
-        service per unit of weight first, so a light tenant's prompt does not wait behind
-        a heavy tenant's chunks; with FIFO, oldest first. When a running sequence needs a KV block and none is
-        free, the policy picks a victim among the running sequences not yet scheduled this
-        step (possibly the sequence itself); the victim's blocks are freed and it goes back
-        to the front of its tenant's queue, to be recomputed. A waiting sequence is admitted
-        only if nothing was preempted this step, `max_num_seqs` allows and all its tokens so
-        far fit in the free blocks; the first that does not fit stops admission (no
-        overtaking, so a long prompt cannot starve). Every token computed is charged to the
-        sequence's tenant: all of a sequence's tokens when it is admitted (its prompt, or
-        everything again after a preemption), then each decode.
+        """The running sequences' next tokens (one for a decode, the next chunk of a prompt
+        or of its recompute) and the admission of waiting sequences, in the waiting queue's
+        priority order while the step's token budget lasts. With fair queuing that is the
+        tenant with the least computed service per unit of weight first, and within a
+        tenant decodes first, so a light tenant's prompt does not wait behind a heavy
+        tenant's work; with FIFO, all decodes first, then prefill work oldest first. When a
+        running sequence needs a KV block and none is free, the policy picks a victim among
+        the running sequences not yet scheduled this step (possibly the sequence itself);
+        the victim's blocks are freed and it goes back to the front of its tenant's queue, to
+        be recomputed. A waiting sequence is admitted only if nothing was preempted this
+        step, `max_num_seqs` allows and all its tokens so far fit in the free blocks; the
+        first that does not fit stops admission (no overtaking, so a long prompt cannot
+        starve). Every token computed is charged to the sequence's tenant: all of a
+        sequence's tokens when it is admitted (its prompt, or everything again after a
+        preemption), then each decode.
         """
         while self.suspects and self.suspects[0].is_finished:
             self.suspects.popleft()
@@ -136,13 +137,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
-        running = sorted(self.running, key=lambda s: s.arrival_s)
-        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
-        prefilling = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decoding:
-            budget = self._schedule_running(seq, budget, scheduled, out)
         can_admit = True
-        for seq in sorted(prefilling, key=self.waiting.priority):
+        for seq in sorted(self.running, key=self.waiting.priority):
             while can_admit and budget > 0 and self._is_waiting_ahead_of(seq):
                 can_admit = self._admit_next(budget, scheduled, out)
                 budget = self.config.max_num_batched_tokens - out.num_batched_tokens
