@@ -50,18 +50,23 @@ def test_only_candidates_are_picked_but_shares_count_every_running_sequence():
     assert TenantAwarePreemption().pick_victim([a_small, b], [a_big, a_small, b]) is a_small
 
 
+def _fair_scheduler(*, quantum: int, max_num_seqs: int, budget: int, num_blocks: int):
+    """Fair queuing and tenant-aware preemption over a pool of 4-token blocks."""
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        KVCacheManager(num_blocks, 4),
+        FairQueue(quantum_tokens=quantum),
+        TenantAwarePreemption(),
+    )
+
+
 def _step(scheduler: Scheduler) -> None:
     out = scheduler.schedule()
     scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])
 
 
 def test_flooding_tenant_does_not_starve_a_late_one():
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
-        KVCacheManager(100, 4),
-        FairQueue(quantum_tokens=8),
-        TenantAwarePreemption(),
-    )
+    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=100)
     flood = [make_sequence(i, 4, 3, tenant_id="a") for i in range(10)]
     for seq in flood:
         scheduler.add(seq)
@@ -76,13 +81,10 @@ def test_flooding_tenant_does_not_starve_a_late_one():
 
 
 def test_preempted_sequence_is_recomputed_charged_and_counted_for_its_tenant():
-    queue = FairQueue(quantum_tokens=8)
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
-        KVCacheManager(5, 4),  # 20 tokens: two sequences needing 11 each cannot both fit
-        queue,
-        TenantAwarePreemption(),
-    )
+    scheduler = _fair_scheduler(
+        quantum=8, max_num_seqs=4, budget=64, num_blocks=5
+    )  # 20 tokens: two sequences needing 11 each cannot both fit
+    queue = scheduler.waiting
     a = make_sequence(0, 8, 4, tenant_id="a")
     b = make_sequence(1, 8, 4, tenant_id="b", weight=2)
     scheduler.add(a)
@@ -102,13 +104,7 @@ def test_preempted_sequence_is_recomputed_charged_and_counted_for_its_tenant():
 
 
 def test_a_light_tenants_new_prompt_goes_before_a_heavy_tenants_prompt_chunks():
-    queue = FairQueue(quantum_tokens=8)
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
-        KVCacheManager(100, 4),
-        queue,
-        TenantAwarePreemption(),
-    )
+    scheduler = _fair_scheduler(quantum=8, max_num_seqs=4, budget=16, num_blocks=100)
     heavy = make_sequence(0, 64, 4, tenant_id="heavy")
     scheduler.add(heavy)
     _step(scheduler)  # heavy's first 16-token chunk: heavy is now in debt
@@ -126,13 +122,7 @@ def test_a_light_tenants_decodes_do_not_put_its_next_prompt_behind_a_flood():
     # nothing waiting, light must not sink into debt behind heavy, whose waiting requests
     # earn it a quantum every round: light has had far less computed than heavy, so its
     # next prompt takes the first free slot and each of its chunks goes first.
-    queue = FairQueue(quantum_tokens=64)
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
-        KVCacheManager(1000, 4),
-        queue,
-        TenantAwarePreemption(),
-    )
+    scheduler = _fair_scheduler(quantum=64, max_num_seqs=4, budget=32, num_blocks=1000)
     scheduler.add(make_sequence(0, 4, 400, tenant_id="light"))
     for i in range(1, 200):
         scheduler.add(make_sequence(i, 64, 16, tenant_id="heavy"))

@@ -183,16 +183,8 @@ class FairQueue:
         return tenant
 
     def _start_waiting(self, tenant_id: str, tenant: TenantState) -> None:
-        """Place a tenant that starts waiting against its competition: the tenants waiting in
-        its tier or, none waiting, the tenant that last stopped waiting (VTC's lift).
-
-        Its counter is lifted to one quantum below the least-served competitor's. Its
-        deficit is set to the competition's highest level, less the service per unit of
-        weight it has had beyond the least-served competitor: it keeps no credit for
-        staying away, and no debt for a prompt it was charged in full that its service has
-        since made good (its decodes, charged while nothing of it waited, earned it no
-        quantum). It is visited next, ahead of the backlogged tenants' next turn.
-        """
+        """Lift the counter and set the deficit of a tenant that starts waiting against its
+        competition (module docstring); it is visited next."""
         ring = self._rings.setdefault(tenant.tier, deque())
         competitors = [self.tenants[t] for t in ring]
         if not competitors and self._last_left not in (None, tenant_id):
