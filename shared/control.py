@@ -19,7 +19,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from arq import Retry, cron
 from arq.connections import ArqRedis
+from arq.constants import job_key_prefix, result_key_prefix
 from arq.worker import Worker
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import WatchError
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from shared import keys, ledger, usage
@@ -60,13 +63,20 @@ def arq_client(redis: aioredis.Redis) -> ArqRedis:
 async def enqueue_usage(
     redis: aioredis.Redis, event: UsageEvent, queue_name: str = keys.CONTROL_QUEUE
 ) -> None:
-    """Hand a finished request's usage to the control process (a no-op the second time)."""
-    await arq_client(redis).enqueue_job(
-        USAGE_JOB,
-        event.model_dump(mode="json"),
-        _job_id=usage_job_id(event.request_id),
-        _queue_name=queue_name,
-    )
+    """Hand a finished request's usage to the control process (a no-op the second time).
+    Raises `redis.ConnectionError` when the job did not get through (retry it)."""
+    job_id = usage_job_id(event.request_id)
+    try:
+        job = await arq_client(redis).enqueue_job(
+            USAGE_JOB, event.model_dump(mode="json"), _job_id=job_id, _queue_name=queue_name
+        )
+    except WatchError as exc:  # redis-py: the connection broke while a key was watched
+        raise RedisConnectionError(f"usage job {job_id}: {exc}") from exc
+    # arq reads a failed transaction as "another client enqueued this id meanwhile", and
+    # redis-py fails a transaction whose connection broke while it watched a key the same
+    # way: so "not enqueued" is believed only when the job or its result is there.
+    if job is None and not await redis.exists(job_key_prefix + job_id, result_key_prefix + job_id):
+        raise RedisConnectionError(f"usage job {job_id} lost with its connection")
 
 
 async def record_usage(ctx: dict, event_data: dict) -> bool:

@@ -62,10 +62,11 @@ class Settings(BaseSettings):
     worker_heartbeat_timeout_s: float = 6.0
     # SIGTERM: how long running requests may take to finish before they end `worker_shutdown`.
     worker_drain_timeout_s: float = 30.0
-    # How long a worker retries handing a finished request's usage to Redis (an arq job for
-    # the control process) while Redis is unavailable (the client's final event waits);
-    # after that the request is ended by recovery.
-    usage_retry_s: float = 60.0
+    # How long a worker retries a write to Redis while it is unreachable (a step's tokens, a
+    # finished request's usage, final event and acknowledgement); the batch waits meanwhile.
+    # After that a finished request is ended by recovery, and a worker that cannot publish a
+    # step exits (its running requests end `worker_lost`).
+    broker_retry_s: float = 60.0
     # How long a request's journal (its events, for resume and recovery) outlives its last event.
     journal_ttl_s: int = 3600
     # An API stream that hears nothing this long checks the journal and the worker's heartbeat.

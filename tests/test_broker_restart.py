@@ -9,10 +9,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 import redis
 import redis.asyncio as aioredis
 
-from shared import keys, recovery
+from shared import keys, recovery, redis_conn
 from shared.journal import Journal
 from shared.redis_server import EmbeddedRedis, free_port
 from tests.conftest import _spawn, _stop
@@ -107,3 +108,34 @@ async def test_no_entry_is_reclaimed_until_a_restarted_broker_has_settled(tmp_pa
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_a_call_is_retried_while_the_broker_is_unreachable_then_given_up(monkeypatch):
+    monkeypatch.setattr(redis_conn, "MAX_RETRY_DELAY_S", 0.05)
+    attempts = []
+
+    async def flaky():
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise redis.ConnectionError("Connection reset by peer")
+        return "through"
+
+    assert await redis_conn.retrying(flaky, within_s=5, what="test") == "through"
+    assert len(attempts) == 3
+
+    async def unreachable():
+        raise ConnectionResetError("Connection lost")
+
+    started_s = time.monotonic()
+    with pytest.raises(ConnectionResetError):
+        await redis_conn.retrying(unreachable, within_s=0.3, what="test")
+    assert 0.2 < time.monotonic() - started_s < 1.0
+
+    async def refused():
+        attempts.append(time.monotonic())
+        raise redis.ResponseError("WRONGTYPE")  # an answer, not an outage: never retried
+
+    attempts.clear()
+    with pytest.raises(redis.ResponseError):
+        await redis_conn.retrying(refused, within_s=5, what="test")
+    assert len(attempts) == 1

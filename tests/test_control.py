@@ -12,6 +12,8 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import create_engine
 from sqlmodel import select
 
@@ -79,6 +81,32 @@ async def test_a_usage_event_is_recorded_once(db, settings, aredis, make_tenant,
         {"settings": settings, "engine": db, "job_try": 1}, event.model_dump(mode="json")
     )
     assert len(records_of(db, event.request_id)) == 1  # a late redelivery: insert-if-absent
+
+
+async def test_a_usage_job_lost_with_its_connection_is_not_taken_for_enqueued(
+    db, settings, aredis, make_tenant, deployment_id, monkeypatch
+):
+    """arq enqueues in a watched transaction and reads its failure as "someone else enqueued
+    this id"; redis-py fails it that way too when the connection breaks. Here the
+    transaction's own connection is killed between its WATCH and its EXEC."""
+    tenant_id, _key = make_tenant("control-lost")
+    event = make_event(tenant_id, deployment_id)
+    immediate = Pipeline.immediate_execute_command
+
+    async def killed_after_exists(self, *args, **options):
+        result = await immediate(self, *args, **options)
+        if args[0] == "EXISTS":
+            await aredis.client_kill_filter(_id=await immediate(self, "CLIENT ID"))
+        return result
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Pipeline, "immediate_execute_command", killed_after_exists)
+        with pytest.raises(RedisConnectionError):
+            await control.enqueue_usage(aredis, event, QUEUE)
+    assert await aredis.zscore(QUEUE, control.usage_job_id(event.request_id)) is None
+    await control.enqueue_usage(aredis, event, QUEUE)  # the caller's retry gets it through
+    await run_burst(settings, db)
+    assert len(records_of(db, event.request_id)) == 1
 
 
 async def test_a_database_outage_is_waited_out(

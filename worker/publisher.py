@@ -11,6 +11,10 @@ someone else is serving or has ended the request (a second delivery, or a reclai
 was taken for dead): the request is *orphaned* here: its sequence is aborted, nothing more
 is published, recorded or acknowledged for it.
 
+Every one of those writes, and each step's token events, is retried while the broker is
+unreachable (`shared/redis_conn.retrying`; each is idempotent), for up to `broker_retry_s`:
+meanwhile the batch waits, since at most one step's outputs are ahead of their publish.
+
 The admission limits (`shared/quota.py`) are kept here too: a pulled request stops counting
 as queued, a finished one (for any reason) stops counting as in flight and gets back the
 unused part of its token reservation. Those updates never block a step, and a Redis error
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -30,6 +33,7 @@ from redis.exceptions import RedisError
 from shared import control, keys, quota, usage
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, FinalEvent, QueuedRequest, TokenEvent, Usage
+from shared.redis_conn import BROKER_ERRORS, retrying
 from worker.intake import Intake, StreamEntry
 from worker.sequence import SequenceOutput
 
@@ -60,13 +64,13 @@ class Publisher:
         intake: Intake,
         journal: Journal,
         worker_id: str,
-        usage_retry_s: float = 60.0,
+        retry_s: float = 60.0,
     ) -> None:
         self._redis = redis
         self._intake = intake
         self._journal = journal
         self._worker_id = worker_id
-        self._usage_retry_s = usage_retry_s
+        self._retry_s = retry_s  # how long a write waits for an unreachable broker
         self.inflight: dict[str, InFlight] = {}
         self.orphans: set[str] = set()  # to abort at the next step
         self._tasks: set[asyncio.Task] = set()  # finishing requests, quota updates
@@ -93,22 +97,30 @@ class Publisher:
     async def _publish(self, outputs: list[SequenceOutput]) -> None:
         tokens = [o for o in outputs if not o.is_finished and o.text and self._is_live(o)]
         if tokens:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for output in tokens:
-                    flight = self.inflight[output.request_id]
-                    event = TokenEvent(
-                        seq=flight.next_seq(), text=output.text, num_tokens=output.num_new_tokens
-                    )
-                    await self._journal.append_in(pipe, output.request_id, event)
-                appended = await pipe.execute()
-            for output, is_appended in zip(tokens, appended, strict=True):
+            events = [
+                (o.request_id, TokenEvent(seq=self.inflight[o.request_id].next_seq(),
+                                          text=o.text, num_tokens=o.num_new_tokens))
+                for o in tokens
+            ]  # fmt: skip
+            # While the broker is away the next step waits here (one step at most is ahead).
+            appended = await retrying(
+                lambda: self._append(events), within_s=self._retry_s, what="a step's tokens"
+            )
+            for (request_id, _), is_appended in zip(events, appended, strict=True):
                 if not is_appended:
-                    self._orphan(output.request_id)
+                    self._orphan(request_id)
         for output in outputs:
             if output.is_finished and self._is_live(output):
                 self._spawn(self._finish(self.inflight.pop(output.request_id), output))
             elif output.is_finished:
                 self.inflight.pop(output.request_id, None)
+
+    async def _append(self, events: list[tuple[str, TokenEvent]]) -> list[int]:
+        """Append a step's token events in one round trip (idempotent: `Journal`)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for request_id, event in events:
+                await self._journal.append_in(pipe, request_id, event)
+            return await pipe.execute()
 
     def _is_live(self, output: SequenceOutput) -> bool:
         flight = self.inflight.get(output.request_id)
@@ -138,48 +150,48 @@ class Publisher:
         task.add_done_callback(self._tasks.discard)
 
     async def _finish(self, flight: InFlight, output: SequenceOutput) -> None:
-        request = flight.entry.request
-        if not await self._journal.claim_end(request.request_id, self._worker_id):
-            log.warning("request %s was ended elsewhere", request.request_id)
-            return
-        if not await self._record_usage(request, output):
-            # Give the end back and leave the entry pending, unrefreshed: once the heartbeat
-            # timeout passes, a worker reclaims it and ends the request, recording its usage.
-            await self._journal.release_end(request.request_id, self._worker_id)
-            return
-        # Before the final event: a client that sends its next request on `[DONE]` must find
-        # the in-flight slot free and the unused tokens back.
-        await self._settle(request, output)
-        if output.error is not None and output.error.code == "model_error":
-            await self._dead_letter(request, output)
-        await self._journal.append_end(
-            request.request_id, self._worker_id, self._final_event(output)
-        )
-        await self._intake.ack(flight.entry)
+        request_id = flight.entry.request.request_id
+        try:
+            await self._end(flight, output)
+        except BROKER_ERRORS:
+            # The entry stays pending, unrefreshed: once the heartbeat timeout passes, a
+            # worker reclaims it and ends the request, recording its usage.
+            log.exception("request %s not ended here: the broker stayed unreachable", request_id)
 
-    async def _record_usage(self, request: QueuedRequest, output: SequenceOutput) -> bool:
-        """Hand the usage to the control process (an arq job it commits to the ledger before
-        dropping), retrying with backoff while Redis is unavailable (the client waits for
-        its final event meanwhile); False if it never came back."""
+    async def _end(self, flight: InFlight, output: SequenceOutput) -> None:
+        """Claim the end, record the usage, settle, append the final event, acknowledge; each
+        step retried while the broker is unreachable (each is idempotent)."""
+        request = flight.entry.request
+        request_id, me = request.request_id, self._worker_id
+
+        async def retried(call, what: str):
+            return await retrying(call, within_s=self._retry_s, what=f"{what} of {request_id}")
+
+        if not await retried(lambda: self._journal.claim_end(request_id, me), "the end"):
+            log.warning("request %s was ended elsewhere", request_id)
+            return
         event = usage.usage_event(
             request,
             finish_reason=output.finish_reason,
             num_output_tokens=output.num_output_tokens,
             num_computed_tokens=output.num_computed_tokens,
-            output_text=await self._output_text(request, output),
+            output_text=await retried(lambda: self._output_text(request, output), "the text"),
         )
-        delay_s, deadline_s = 0.1, time.monotonic() + self._usage_retry_s
-        while True:
-            try:
-                await control.enqueue_usage(self._redis, event)
-                return True
-            except (RedisError, OSError):
-                if time.monotonic() + delay_s > deadline_s:
-                    log.exception("usage of %s not handed over", request.request_id)
-                    return False
-                log.warning("usage of %s not handed over yet; retrying", request.request_id)
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 5.0)
+        try:
+            # The control process commits the job to the ledger before dropping it.
+            await retried(lambda: control.enqueue_usage(self._redis, event), "the usage")
+        except BROKER_ERRORS:
+            # Give the end back, so that recovery can record it (see `_finish`).
+            await self._journal.release_end(request_id, me)
+            raise
+        # Before the final event: a client that sends its next request on `[DONE]` must find
+        # the in-flight slot free and the unused tokens back.
+        await self._settle(request, output)
+        if output.error is not None and output.error.code == "model_error":
+            await self._dead_letter(request, output)
+        final = self._final_event(output)
+        await retried(lambda: self._journal.append_end(request_id, me, final), "the final event")
+        await retried(lambda: self._intake.ack(flight.entry), "the acknowledgement")
 
     async def _output_text(self, request: QueuedRequest, output: SequenceOutput) -> str | None:
         """The whole output, only for a tenant that keeps it: the journal's token events and
@@ -191,9 +203,12 @@ class Publisher:
 
     async def _dead_letter(self, request: QueuedRequest, output: SequenceOutput) -> None:
         fields = {**request.to_fields(), "error": output.error.message}
-        await self._redis.xadd(
-            keys.dead_letter(request.model), fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True
-        )
+        try:
+            await self._redis.xadd(
+                keys.dead_letter(request.model), fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True
+            )
+        except (RedisError, OSError):
+            log.exception("could not dead-letter %s", request.request_id)
 
     async def _mark_started(self, request: QueuedRequest) -> None:
         try:

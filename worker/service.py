@@ -7,6 +7,7 @@ I/O, cancellations and heartbeats go on in the event loop while the model comput
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 from shared import keys, model_source, recovery
 from shared.journal import Journal
 from shared.protocol import decode_cancel
-from shared.redis_conn import async_client
+from shared.redis_conn import BROKER_ERRORS, async_client, retrying
 from shared.settings import Settings
 from shared.tables import ModelDeployment
 from worker import telemetry
@@ -91,7 +92,7 @@ class Worker:
             intake = Intake(redis, self._deployment.model_id, self.worker_id, is_fair=is_fair)
             journal = Journal(redis, self._settings.journal_ttl_s)
             publisher = Publisher(
-                redis, intake, journal, self.worker_id, self._settings.usage_retry_s
+                redis, intake, journal, self.worker_id, self._settings.broker_retry_s
             )
             reclaimer = Reclaimer(
                 redis,
@@ -146,11 +147,16 @@ class Worker:
             free = engine.num_free_slots()
             if free and not self._stopping.is_set():
                 block_ms = None if engine.has_work() or entries else idle_ms
-                entries += await intake.pull(free, block_ms, engine.num_waiting_by_tenant())
+                entries += await self._pull(intake, free, block_ms, engine)
             for entry in entries:
                 if (flight := publisher.inflight.get(entry.request.request_id)) is not None:
                     if flight.entry.entry_id != entry.entry_id:
-                        await intake.ack(entry)  # a second entry for a request served here
+                        # A second entry for a request served here.
+                        await retrying(
+                            lambda e=entry: intake.ack(e),
+                            within_s=self._settings.broker_retry_s,
+                            what="a second entry's acknowledgement",
+                        )
                     continue  # the very entry being served: never acknowledge that one
                 publisher.track(entry)
                 seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
@@ -167,6 +173,18 @@ class Worker:
                 publishing = publisher.publish(outputs)
         if publishing is not None:
             await publishing
+
+    async def _pull(self, intake: Intake, free: int, block_ms: int | None, engine):
+        """New entries; none this turn while the broker is unreachable. (A pull whose reply
+        was lost leaves entries pending here unseen: recovery serves them after the heartbeat
+        timeout.)"""
+        try:
+            return await intake.pull(free, block_ms, engine.num_waiting_by_tenant())
+        except BROKER_ERRORS as exc:
+            log.warning("pull failed: %s", exc)
+            if not engine.has_work():
+                await asyncio.sleep(self._settings.worker_idle_poll_ms / 1000)
+            return []
 
     async def _hand_back(self, engine, intake: Intake, publisher: Publisher) -> None:
         """Give the requests that have not started to the other workers, at once."""
@@ -197,13 +215,23 @@ class Worker:
         return {rid for rid in publisher.inflight if rid in self._cancelled}
 
     async def _listen_for_cancels(self, redis: aioredis.Redis) -> None:
-        pubsub = redis.pubsub()
-        await pubsub.subscribe(keys.cancel_channel(self._deployment.model_id))
-        async for message in pubsub.listen():
-            if message["type"] == "message":
-                self._cancelled[decode_cancel(message["data"])] = None
-                while len(self._cancelled) > MAX_REMEMBERED_CANCELS:
-                    self._cancelled.popitem(last=False)
+        """Remember cancels; subscribe again when the connection is lost (cancels published
+        meanwhile are missed: those requests run to their end)."""
+        while True:
+            pubsub = redis.pubsub()
+            try:
+                await pubsub.subscribe(keys.cancel_channel(self._deployment.model_id))
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        self._cancelled[decode_cancel(message["data"])] = None
+                        while len(self._cancelled) > MAX_REMEMBERED_CANCELS:
+                            self._cancelled.popitem(last=False)
+            except BROKER_ERRORS as exc:
+                log.warning("cancel subscription lost (%s); subscribing again", exc)
+                await asyncio.sleep(self._settings.worker_heartbeat_s)
+            finally:
+                with contextlib.suppress(*BROKER_ERRORS):
+                    await pubsub.aclose()
 
     async def _heartbeat(self, redis: aioredis.Redis) -> None:
         key = keys.worker_heartbeat(self.worker_id)

@@ -26,8 +26,8 @@ def chaos_stack(tmp_path, chaos_model_dir) -> Iterator:
     """Factory: start a platform of this scenario's own (its processes with extra environment)."""
     stacks: list[Stack] = []
 
-    def factory(extra_env: dict[str, str] | None = None) -> Stack:
-        stack = Stack(tmp_path, chaos_model_dir, extra_env=extra_env or {})
+    def factory(extra_env: dict[str, str] | None = None, **options) -> Stack:
+        stack = Stack(tmp_path, chaos_model_dir, extra_env=extra_env or {}, **options)
         stacks.append(stack)
         return stack.start()
 

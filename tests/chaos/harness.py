@@ -23,6 +23,7 @@ from shared import deployments, keys, tenants
 from shared.db import create_schema, make_engine
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
+from tests.chaos.proxy import CuttingProxy
 from tests.conftest import _spawn, _stop, _wait_ready, spawn_api
 
 MODEL = "tiny-chaos"
@@ -57,6 +58,8 @@ class Stack:
     root: Path
     model_dir: Path
     extra_env: dict[str, str] = field(default_factory=dict)  # for every process
+    # Workers reach Redis through a proxy that can cut their connections (`cut_workers_off`).
+    workers_via_proxy: bool = False
     num_subscribers_dropped: int = 0
     api_urls: list[str] = field(default_factory=list)
     apis: list[subprocess.Popen] = field(default_factory=list)
@@ -64,6 +67,7 @@ class Stack:
     workers: list[subprocess.Popen] = field(default_factory=list)
     tenants: list[TenantKey] = field(default_factory=list)
     redis_server: EmbeddedRedis | None = None
+    proxy: CuttingProxy | None = None
     _db_lock: sqlite3.Connection | None = None
 
     @property
@@ -95,6 +99,8 @@ class Stack:
     def start(self) -> Stack:
         self.home.mkdir(parents=True, exist_ok=True)
         self.redis_server = EmbeddedRedis(self.root / "redis", port=free_port()).start()
+        if self.workers_via_proxy:
+            self.proxy = CuttingProxy(self.redis_server.port)
         settings = Settings(home_dir=self.home, key_pepper=PEPPER)
         db = make_engine(settings)
         try:
@@ -123,13 +129,21 @@ class Stack:
         """Another worker process, once its heartbeat says ready."""
         log_path = self.home / f"worker-{time.monotonic_ns()}.log"
         args = ["worker", "--model", MODEL, *WORKER_ARGS]
-        process = _spawn(args, self.env, log_path)
+        env = self.env | ({"REDIS_URL": self.proxy.url} if self.proxy else {})
+        process = _spawn(args, env, log_path)
         self.workers.append(process)
         _wait_ready(self.redis_server.url, process, log_path)
         return process
 
     def live_workers(self) -> list[subprocess.Popen]:
         return [w for w in self.workers if w.poll() is None]
+
+    def crashed(self) -> list[str]:
+        """The processes that exited with an error of their own (not killed by a signal, not
+        stopped by SIGTERM)."""
+        processes = [*self.apis, *self.workers, *([self.control] if self.control else [])]
+        return [f"{p.args[3]} (pid {p.pid}): exit {p.returncode}"
+                for p in processes if p.poll() is not None and p.returncode > 0]  # fmt: skip
 
     def redis(self) -> redis.Redis:
         assert self.redis_server is not None
@@ -197,5 +211,7 @@ class Stack:
                 process.send_signal(signal.SIGCONT)  # a paused process cannot take SIGTERM
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(_stop, processes))
+        if self.proxy is not None:
+            self.proxy.close()
         if self.redis_server is not None:
             self.redis_server.stop()

@@ -64,6 +64,16 @@ async def restart_redis(stack: Stack, client: LoadClient) -> None:
     await asyncio.to_thread(stack.restart_redis, 1.0)
 
 
+async def cut_worker_connections(stack: Stack, client: LoadClient) -> None:
+    """Reset every connection between the workers and Redis twice, 1 s apart, each time
+    resetting their reconnects for 0.5 s (Redis itself stays up)."""
+    await _when_streaming(client, 8)
+    assert stack.proxy is not None
+    for _ in range(2):
+        stack.proxy.cut(0.5)
+        await asyncio.sleep(1.0)
+
+
 async def kill_api(stack: Stack, client: LoadClient) -> None:
     await _when_streaming(client, 4, api_index=0)
     stack.apis[0].kill()
@@ -111,6 +121,8 @@ def _fault_evidence(name: str, stack: Stack, logs: list, states: list[str]) -> s
         return "no stream was resumed"
     if name == "paused_subscriber" and not stack.num_subscribers_dropped:
         return "no subscriber was dropped"
+    if name == "worker_connections_cut" and not stack.proxy.num_cut:
+        return "no connection was cut"
     if name == "db_unavailable" and not stack.log_count("control", DB_RETRY):
         return "no usage write failed"
     return None
@@ -132,6 +144,7 @@ SCENARIOS = {
         {"LLMFLEET_WORKER_DRAIN_TIMEOUT_S": "0.1"},
     ),
     "redis_restart": (restart_redis, set(), {}, {}),
+    "worker_connections_cut": (cut_worker_connections, set(), {}, {}),
     "api_kill": (kill_api, set(), {}, {}),
     "client_disconnect": (no_fault, set(), {"disconnect_every": 4}, {}),
     "paused_subscriber": (pause_subscriber, set(), {}, {}),
@@ -148,7 +161,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_chaos(name, chaos_stack, chaos_report):
     fault, allowed_errors, spec_options, extra_env = SCENARIOS[name]
-    stack = chaos_stack(extra_env)
+    stack = chaos_stack(extra_env, workers_via_proxy=fault is cut_worker_connections)
     specs = make_specs(stack.tenants, NUM_REQUESTS, seed=len(name), **spec_options)
     client = LoadClient(stack.api_urls, CONCURRENCY)
     started_s = time.monotonic()
@@ -171,6 +184,7 @@ async def test_chaos(name, chaos_stack, chaos_report):
     chaos_report(checks.summary(name, logs, states, wall_s))
 
     problems = [f"pending entries left: {pending}"] if any(pending.values()) else []
+    problems += [f"a process crashed: {crash}" for crash in stack.crashed()]
     if (missed := _fault_evidence(name, stack, logs, states)) is not None:
         problems.append(f"the fault did not hit: {missed}")
     for log in logs:
