@@ -55,6 +55,13 @@ def bench(
     steady_rate_per_s: Annotated[
         float, typer.Option(help="noisy-neighbour: B's and C's rate; A sends 10x.")
     ] = 0.4,
+    simulate: Annotated[
+        str | None,
+        typer.Option(
+            help="Scenarios: the real scheduler on a simulated clock, step cost "
+            "model cpu | flat (bench/simulate.py); no model is run."
+        ),
+    ] = None,
     num_requests: int = 64,
     seed: int = 0,
     arrival: Annotated[str, typer.Option(help="burst | poisson")] = "burst",
@@ -96,7 +103,15 @@ def bench(
             quantum_tokens=quantum_tokens,
         )
         _scenario(
-            scenario, base, source, dtype, seed, scenario_duration_s, steady_rate_per_s, json_path
+            scenario,
+            base,
+            source,
+            dtype,
+            seed,
+            scenario_duration_s,
+            steady_rate_per_s,
+            json_path,
+            simulate,
         )
         return
     from bench.client import run_http
@@ -192,31 +207,37 @@ def _scenario(
     duration_s: float,
     steady_rate_per_s: float,
     json_path: str | None,
+    simulate: str | None = None,
 ) -> None:
     from bench import metrics, report, scenarios
-    from bench.engine_direct import run_engine
-    from shared import model_source
-    from worker.engine import build_engine
-    from worker.runner import loader
+    from bench import simulate as simulation
+    from bench.engine_direct import run_plan
 
     plan = scenarios.build(
         name, seed=seed, duration_s=duration_s, steady_rate_per_s=steady_rate_per_s
     )
-    resolved = model_source.resolve(source)
-    loaded = loader.load(resolved, "auto", dtype)
-    decoder = model_source.load_tokenizer(resolved)
-    runs, durations = {}, {}
-    for planned in plan.runs:
-        typer.echo(f"{name}: {planned.label} ...")
-        engine = build_engine(loaded, dataclasses.replace(base, queueing=planned.queueing))
-        run = run_engine(
-            engine,
-            decoder,
-            plan.workloads[planned.workload],
-            tenants=planned.tenants or plan.tenants,
-            until_tenants_done=plan.until_tenants_done,
+    if simulate is None:
+        from shared import model_source
+        from worker.engine import build_engine
+        from worker.runner import loader
+
+        resolved = model_source.resolve(source)
+        loaded = loader.load(resolved, "auto", dtype)
+        decoder = model_source.load_tokenizer(resolved)
+
+        def make_engine(config):
+            return build_engine(loaded, config), None
+
+    elif simulate not in simulation.COST_MODELS:
+        raise typer.BadParameter(
+            f"one of {sorted(simulation.COST_MODELS)}", param_hint="--simulate"
         )
-        runs[planned.label], durations[planned.label] = run.results, run.duration_s
+    else:
+        decoder = simulation.NullDecoder()
+        make_engine = simulation.engine_factory(simulation.COST_MODELS[simulate])
+    runs, durations = run_plan(
+        plan, base, make_engine, decoder, on_run=lambda label: typer.echo(f"{name}: {label} ...")
+    )
     tenant_of = scenarios.tenant_of(plan)
     rows = {
         f"{label} / {tenant}": metrics.summarize(
@@ -243,6 +264,8 @@ def _scenario(
                     "engine": dataclasses.asdict(base),
                     "source": source,
                     "dtype": dtype,
+                    "simulated_step_cost": simulate
+                    and dataclasses.asdict(simulation.COST_MODELS[simulate]),
                 },
                 "tenants": [dataclasses.asdict(t) for t in plan.tenants],
                 "per_tenant": rows,

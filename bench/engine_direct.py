@@ -1,11 +1,13 @@
 """Engine-direct mode: the same workload straight into an engine, no HTTP, Redis or SSE.
 
 Compared with a run over HTTP on the same workload, it shows what the platform around the
-engine costs. Arrivals are honoured open loop by wall clock, as the HTTP client does.
+engine costs. Arrivals are honoured open loop by wall clock, as the HTTP client does (or by
+a simulated clock: `bench/simulate.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -26,6 +28,14 @@ class EngineRun:
     num_steps: int = 0
 
 
+class WallClock:
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+
 @dataclass
 class _Driver:
     engine: Engine
@@ -36,12 +46,16 @@ class _Driver:
     advance: Callable[[], None]
     temperature: float
     tenants: dict[str, TenantSpec]
-    start_s: float = field(default_factory=time.perf_counter)
+    clock: WallClock
+    start_s: float = 0.0
     num_in_flight: Counter[str] = field(default_factory=Counter)
     tenant_of: dict[int, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.start_s = self.clock.now()
+
     def admit_arrived(self) -> None:
-        now = time.perf_counter()
+        now = self.clock.now()
         while self.pending and self.start_s + self.pending[0].arrival_s <= now:
             spec = self.pending.popleft()
             self.results[spec.index].start_s = now
@@ -64,10 +78,10 @@ class _Driver:
         if not self.engine.has_work():
             if self.pending:
                 next_s = self.start_s + self.pending[0].arrival_s
-                time.sleep(max(0.0, next_s - time.perf_counter()))
+                self.clock.sleep(next_s - self.clock.now())
             return
         outputs = self.engine.step()
-        now = time.perf_counter()
+        now = self.clock.now()
         self.run.num_steps += 1
         if (usage := self.engine.stats().get("kv_cache_usage")) is not None:
             self.run.kv_cache_usage.append(usage)
@@ -97,6 +111,7 @@ def run_engine(
     show_progress: bool = True,
     tenants: list[TenantSpec] = (),
     until_tenants_done: set[str] | None = None,
+    clock=None,
 ) -> EngineRun:
     """Run `workload` through `engine` until every request finished, or, with
     `until_tenants_done`, until those tenants' requests have (the rest are abandoned)."""
@@ -108,14 +123,15 @@ def run_engine(
     ]
     run = EngineRun(list(results.values()))
     by_name = {tenant.name: tenant for tenant in tenants}
+    clock = clock or WallClock()
     with progress_bar(len(workload), show_progress) as advance:
         driver = _Driver(
-            engine, decoder, deque(workload), results, run, advance, temperature, by_name
+            engine, decoder, deque(workload), results, run, advance, temperature, by_name, clock
         )
         while not all(result.end_s for result in awaited):
             driver.admit_arrived()
             driver.step_or_wait()
-    run.duration_s = time.perf_counter() - driver.start_s
+    run.duration_s = clock.now() - driver.start_s
     return run
 
 
@@ -135,3 +151,24 @@ def _sequence(spec: RequestSpec, tenant: TenantSpec, decoder, temperature: float
         arrival_ts=time.time(),
     )
     return Sequence.from_request(request, decoder, frozenset())
+
+
+def run_plan(plan, base, make_engine, decoder, *, on_run=None, show_progress=True):
+    """Every run of a scenario plan (`bench/scenarios.py`), each on a fresh engine from
+    `make_engine(config) -> (engine, clock or None)`; the results and durations by label."""
+    runs, durations = {}, {}
+    for planned in plan.runs:
+        if on_run is not None:
+            on_run(planned.label)
+        engine, clock = make_engine(dataclasses.replace(base, queueing=planned.queueing))
+        run = run_engine(
+            engine,
+            decoder,
+            plan.workloads[planned.workload],
+            tenants=planned.tenants or plan.tenants,
+            until_tenants_done=plan.until_tenants_done,
+            clock=clock,
+            show_progress=show_progress,
+        )
+        runs[planned.label], durations[planned.label] = run.results, run.duration_s
+    return runs, durations

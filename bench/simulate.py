@@ -1,0 +1,111 @@
+"""The scheduler on a simulated clock: the real `Scheduler`, KV-cache manager, fair queue and
+preemption policy, with a model runner that computes nothing and instead advances a virtual
+clock by what a step of that shape costs under a step-cost model.
+
+It separates what the policy does from what the hardware does. On this project's 2-core CPU
+a step's time grows with every token in it, so a tenant's prompt that shares a step with a
+flood's work waits longer whatever the order of work; on a GPU a step of a model this size
+costs about the same at 10 tokens as at 200. The same scenario under each cost model shows
+which of the two a latency figure comes from. Runs take seconds and are deterministic.
+
+The cost models are models, stated here, not measurements of a device:
+
+- `cpu`: calibrated on this machine's bf16 steps (docs/benchmarks.md): 20 ms per step, plus
+  0.4 ms per token computed, plus 5 us per token of context a decode attends to.
+- `flat`: a step costs 10 ms plus 10 us per token computed (a device whose step time is
+  flat in the batch at this model size, as a GPU's is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.engine import ContinuousBatchingEngine, EngineConfig
+from worker.fair_queue import FairQueue, FifoQueue
+from worker.kv_cache import KVCacheManager
+from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
+from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+NUM_KV_BLOCKS = 8192  # 131k tokens of 16: the KV pool is not what these runs measure
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    fixed_s: float
+    per_token_s: float
+    per_context_token_s: float = 0.0
+
+    def of(self, out: SchedulerOutput) -> float:
+        context = sum(chunk.end for chunk in out.decodes)
+        return (
+            self.fixed_s
+            + self.per_token_s * out.num_batched_tokens
+            + self.per_context_token_s * context
+        )
+
+
+COST_MODELS = {
+    "cpu": StepCost(fixed_s=0.020, per_token_s=0.0004, per_context_token_s=0.000005),
+    "flat": StepCost(fixed_s=0.010, per_token_s=0.00001),
+}
+
+
+@dataclass
+class VirtualClock:
+    """`now()` and `sleep()` for `bench.engine_direct.run_engine`; steps advance it."""
+
+    now_s: float = 1000.0  # not 0: a result's time of 0 would read as "not yet"
+
+    def now(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.now_s += max(0.0, seconds)
+
+
+@dataclass
+class CostRunner:
+    """A model runner that samples token 0 for every sequence and costs virtual time."""
+
+    clock: VirtualClock
+    cost: StepCost
+    num_steps: int = field(default=0)
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        self.num_steps += 1
+        self.clock.sleep(self.cost.of(out))
+        return [0 for chunk in out.chunks if chunk.is_sampling]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def build_engine(
+    config: EngineConfig, clock: VirtualClock, cost: StepCost
+) -> ContinuousBatchingEngine:
+    """A continuous-batching engine as `worker.engine.build_engine` makes it, on `cost`."""
+    kv_cache = KVCacheManager(NUM_KV_BLOCKS, config.block_size)
+    scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+    if config.queueing == "fair":
+        queue, policy = FairQueue(config.quantum_tokens), TenantAwarePreemption()
+    else:
+        queue, policy = FifoQueue(), LatestArrivalFirst()
+    scheduler = Scheduler(scheduler_config, kv_cache, queue, policy)
+    return ContinuousBatchingEngine(scheduler, CostRunner(clock, cost))
+
+
+def engine_factory(cost: StepCost):
+    """For `bench.engine_direct.run_plan`: a fresh engine and clock per run."""
+
+    def make(config: EngineConfig) -> tuple[ContinuousBatchingEngine, VirtualClock]:
+        clock = VirtualClock()
+        return build_engine(config, clock, cost), clock
+
+    return make
+
+
+class NullDecoder:
+    """Every token decodes to one character: the detokenizer has text to emit."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "x" * len(token_ids)

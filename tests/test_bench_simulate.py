@@ -1,0 +1,48 @@
+"""The scheduler on a simulated clock (bench/simulate.py): the real scheduler, fair queue and
+KV-cache manager with a runner that only costs virtual time. Deterministic, so the tenancy
+targets of the policy itself are checked here, apart from the machine's speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import scenarios, simulate
+from bench.engine_direct import run_plan
+from tests.factories import make_sequence
+from worker.engine import EngineConfig
+
+TTFT_RATIO = "B and C TTFT p99 / alone, A floods ({queueing}) <= 1.3"
+
+
+def _evaluate(name: str, cost: str, **build) -> dict[str, dict]:
+    plan = scenarios.build(name, seed=0, **build)
+    make_engine = simulate.engine_factory(simulate.COST_MODELS[cost])
+    runs, durations = run_plan(
+        plan, EngineConfig(), make_engine, simulate.NullDecoder(), show_progress=False
+    )
+    return plan.evaluate(runs, durations, plan)["checks"]
+
+
+def test_a_step_costs_virtual_time_by_its_shape():
+    clock = simulate.VirtualClock()
+    cost = simulate.StepCost(fixed_s=0.01, per_token_s=0.001, per_context_token_s=0.0001)
+    engine = simulate.build_engine(EngineConfig(max_num_batched_tokens=64), clock, cost)
+    engine.add(make_sequence(0, num_prompt_tokens=40, max_tokens=3))
+    started_s = clock.now()
+    engine.step()  # the whole prompt: 40 tokens, no decodes
+    assert clock.now() - started_s == pytest.approx(0.01 + 0.040)
+    engine.step()  # one decode attending to 41 tokens
+    assert clock.now() - started_s == pytest.approx(0.05 + 0.01 + 0.001 + 0.0041)
+
+
+def test_under_a_flat_step_cost_fair_queuing_keeps_light_tenants_ttft_where_fifo_does_not():
+    # A device whose step time is flat in the batch (a GPU at this model size), loaded as the
+    # CPU benchmark loads the CPU: B and C well within their share, A ten times their rate.
+    checks = _evaluate("noisy-neighbour", "flat", duration_s=60, steady_rate_per_s=3.4)
+    assert checks[TTFT_RATIO.format(queueing="fair")]["is_met"]
+    assert not checks[TTFT_RATIO.format(queueing="fifo")]["is_met"]
+
+
+def test_backlogged_weighted_tenants_get_their_shares_at_fifos_throughput():
+    checks = _evaluate("weighted", "cpu", duration_s=0, steady_rate_per_s=0)
+    assert checks and all(outcome["is_met"] for outcome in checks.values()), checks
