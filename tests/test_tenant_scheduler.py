@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.factories import make_sequence
-from worker.fair_queue import FairQueue
+from worker.fair_queue import FairQueue, FifoQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.scheduler import Scheduler, SchedulerConfig
@@ -140,3 +140,60 @@ def test_a_light_tenants_decodes_do_not_put_its_next_prompt_behind_a_flood():
         out = scheduler.schedule()
         assert out.prefills[0].seq is prompt
         scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])
+
+
+def test_a_higher_tier_displaces_lower_tier_work_from_a_full_batch():
+    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=100)
+    low = [make_sequence(i, 4, 50, tenant_id="free", tier=0) for i in range(2)]
+    for seq in low:
+        scheduler.add(seq)
+    _step(scheduler)
+    gold = make_sequence(9, 4, 3, tenant_id="gold", tier=2)
+    scheduler.add(gold)
+    out = scheduler.schedule()
+    assert out.preempted == [low[1]]  # the lower tier's latest arrival
+    assert gold.status is SequenceStatus.RUNNING and out.prefills[0].seq is gold
+    assert low[1].status is SequenceStatus.WAITING and not low[1].block_table
+    assert dict(scheduler.num_preemptions_by_tenant) == {"free": 1}
+
+
+def test_a_tenant_a_quantum_below_a_flood_displaces_it_from_a_full_batch():
+    scheduler = _fair_scheduler(quantum=16, max_num_seqs=2, budget=64, num_blocks=100)
+    flood = [make_sequence(i, 8, 50, tenant_id="a") for i in range(6)]
+    for seq in flood:
+        scheduler.add(seq)
+    for _ in range(10):
+        _step(scheduler)
+    late = make_sequence(99, 8, 3, tenant_id="b")
+    scheduler.add(late)
+    out = scheduler.schedule()
+    assert [seq.tenant_id for seq in out.preempted] == ["a"]
+    assert late.status is SequenceStatus.RUNNING and out.prefills[0].seq is late
+
+
+def test_backlogged_tenants_that_share_the_batch_do_not_displace_each_other():
+    # The counters keep a and b within a quantum of each other: neither preempts the other.
+    scheduler = _fair_scheduler(quantum=64, max_num_seqs=4, budget=64, num_blocks=1000)
+    seqs = [make_sequence(i, 8, 12, tenant_id="ab"[i % 2]) for i in range(40)]
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work():
+        _step(scheduler)
+    assert all(seq.is_finished for seq in seqs) and scheduler.num_preemptions == 0
+
+
+def test_fifo_waits_for_room():
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
+        KVCacheManager(100, 4),
+        FifoQueue(),
+        LatestArrivalFirst(),
+    )
+    for i in range(2):
+        scheduler.add(make_sequence(i, 4, 50, tenant_id="free", tier=0))
+    _step(scheduler)
+    gold = make_sequence(9, 4, 3, tenant_id="gold", tier=2)
+    scheduler.add(gold)
+    for _ in range(10):
+        _step(scheduler)
+    assert gold.status is SequenceStatus.WAITING and scheduler.num_preemptions == 0

@@ -36,6 +36,10 @@ Sheng et al., OSDI'24):
 
 It is work-conserving: whenever any sequence waits, `peek()` returns one.
 
+When the batch is full, `neediest()` (the head of the waiting tenant with the highest tier
+and the least service) may displace running work that `may_displace` allows: a lower tier's,
+or another tenant's at least a quantum beyond it in service (the scheduler preempts it).
+
 The order of work *within* a step (`priority`: decodes, the next chunk of an admitted
 prompt, and the admission of the next waiting sequence) follows the counters: the least
 served tenant first, and within a tenant decodes before prefill work. A light tenant's
@@ -55,6 +59,7 @@ from typing import Protocol
 from worker.sequence import Sequence
 
 DEFAULT_QUANTUM_TOKENS = 256
+DISPLACE_QUANTA = 1.0
 
 
 class WaitingQueue(Protocol):
@@ -69,6 +74,14 @@ class WaitingQueue(Protocol):
     def served(self, seq: Sequence, num_tokens: int) -> None: ...
     def priority(self, seq: Sequence) -> tuple:
         """Sort key of prefill work within a step: smaller goes first."""
+        ...
+
+    def neediest(self) -> Sequence | None:
+        """The waiting sequence that may displace running work when the batch is full."""
+        ...
+
+    def may_displace(self, seq: Sequence, victim: Sequence) -> bool:
+        """Whether waiting `seq` may preempt running `victim` to be admitted."""
         ...
 
     def __len__(self) -> int: ...
@@ -159,9 +172,28 @@ class FairQueue:
     def priority(self, seq: Sequence) -> tuple[int, float, bool, float]:
         """Higher tier, then the tenant with the least computed service per unit of weight;
         within a tenant, decodes before prefill work, then age."""
+        return (-seq.tier, self._service(seq), _is_prefill(seq), seq.arrival_s)
+
+    def neediest(self) -> Sequence | None:
+        """The next sequence of the waiting tenant in the highest tier with the least
+        service per unit of weight."""
+        heads = [tenant.waiting[0] for tenant in self.tenants.values() if tenant.waiting]
+        return min(heads, key=self.priority, default=None)
+
+    def may_displace(self, seq: Sequence, victim: Sequence) -> bool:
+        """A higher tier always; in the same tier, another tenant whose service per unit of
+        weight is at least a quantum beyond `seq`'s. A tenant that starts waiting is lifted
+        to one quantum below its competition, so it displaces a flood at once; tenants that
+        the counters keep within a quantum of each other do not preempt each other."""
+        if seq.tier != victim.tier:
+            return seq.tier > victim.tier
+        if seq.tenant_id == victim.tenant_id:
+            return False
+        return self._service(victim) - self._service(seq) >= self.quantum_tokens * DISPLACE_QUANTA
+
+    def _service(self, seq: Sequence) -> float:
         tenant = self.tenants.get(seq.tenant_id)
-        service = 0.0 if tenant is None else tenant.service
-        return (-seq.tier, service, _is_prefill(seq), seq.arrival_s)
+        return 0.0 if tenant is None else tenant.service
 
     def _enqueue(self, seq: Sequence, *, at_front: bool) -> None:
         tenant = self._tenant(seq)
@@ -262,6 +294,12 @@ class FifoQueue:
     def priority(self, seq: Sequence) -> tuple[bool, float]:
         """Decodes before prefill work, each in arrival order."""
         return (_is_prefill(seq), seq.arrival_s)
+
+    def neediest(self) -> Sequence | None:
+        return None  # FIFO waits for room
+
+    def may_displace(self, seq: Sequence, victim: Sequence) -> bool:
+        return False
 
 
 def _is_prefill(seq: Sequence) -> bool:

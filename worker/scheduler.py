@@ -126,7 +126,9 @@ class Scheduler:
         be recomputed. A waiting sequence is admitted only if nothing was preempted this
         step, `max_num_seqs` allows and all its tokens so far fit in the free blocks; the
         first that does not fit stops admission (no overtaking, so a long prompt cannot
-        starve). Every token computed is charged to the sequence's tenant: all of a
+        starve). Before all that, a full batch makes room for the waiting sequence that may
+        displace running work (a higher tier, or a tenant a quantum below a running one's
+        service: `_displace`), which is then admitted first. Every token computed is charged to the sequence's tenant: all of a
         sequence's tokens when it is admitted (its prompt, or everything again after a
         preemption), then each decode.
         """
@@ -137,6 +139,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        if (displacer := self._displace(out)) is not None:
+            self.waiting.remove(displacer)
+            self._admit(displacer, budget, scheduled, out)
+            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
         can_admit = True
         for seq in sorted(self.running, key=self.waiting.priority):
             while can_admit and budget > 0 and self._is_waiting_ahead_of(seq):
@@ -231,17 +237,49 @@ class Scheduler:
         """Admit the waiting queue's next sequence with up to `budget` of its tokens; False
         when none can be admitted in this step."""
         seq = self.waiting.peek()
-        if seq is None or out.preempted or len(self.running) >= self.config.max_num_seqs:
-            return False
-        if self.kv_cache.num_blocks_for(seq.num_tokens) > self.kv_cache.num_free_blocks:
+        if seq is None or out.preempted or not self._has_room_for(seq):
             return False
         self.waiting.pop()
+        self._admit(seq, budget, scheduled, out)
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, scheduled: set[int], out) -> None:
         self._charge(seq, seq.num_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._schedule_chunk(seq, self._chunk_size(seq, budget), out)
         scheduled.add(id(seq))
-        return True
+
+    def _has_room_for(self, seq: Sequence) -> bool:
+        return len(self.running) < self.config.max_num_seqs and (
+            self.kv_cache.num_blocks_for(seq.num_tokens) <= self.kv_cache.num_free_blocks
+        )
+
+    def _displace(self, out: SchedulerOutput) -> Sequence | None:
+        """When the batch is full (no slot, or too few free KV blocks), make room for the
+        waiting queue's neediest sequence by preempting running sequences it may displace
+        (`FairQueue.may_displace`: a higher tier, or a tenant a quantum beyond its service),
+        the policy's victim each time; that sequence, or None. All or nothing: no victim is
+        preempted unless they free enough. FIFO never displaces."""
+        seq = self.waiting.neediest()
+        if seq is None or self._has_room_for(seq):
+            return None
+        num_slots = len(self.running) - self.config.max_num_seqs + 1
+        num_blocks = self.kv_cache.num_blocks_for(seq.num_tokens) - self.kv_cache.num_free_blocks
+        candidates, victims = list(self.running), []
+        while candidates and (num_slots > 0 or num_blocks > 0):
+            victim = self.policy.pick_victim(candidates, self.running)
+            if not self.waiting.may_displace(seq, victim):
+                return None
+            candidates.remove(victim)
+            victims.append(victim)
+            num_slots -= 1
+            num_blocks -= len(victim.block_table)
+        if num_slots > 0 or num_blocks > 0:
+            return None
+        for victim in victims:
+            self._preempt(victim, out)
+        return seq
 
     def _schedule_chunk(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         self.kv_cache.allocate(seq, num_new)
