@@ -85,6 +85,9 @@ def bench(
     quantum_tokens: Annotated[
         int, typer.Option(help="Scenarios: fair queuing's tokens per round per unit of weight.")
     ] = DEFAULT_QUANTUM_TOKENS,
+    burst_tokens: Annotated[
+        int | None, typer.Option(help="Scenarios: fair queuing's burst allowance (4 quanta).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16")] = "auto",
     json_path: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG here.")] = None,
@@ -101,6 +104,7 @@ def bench(
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_gb=kv_cache_gb,
             quantum_tokens=quantum_tokens,
+            burst_tokens=burst_tokens,
         )
         _scenario(
             scenario,

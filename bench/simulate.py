@@ -87,7 +87,10 @@ def build_engine(
     kv_cache = KVCacheManager(NUM_KV_BLOCKS, config.block_size)
     scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
     if config.queueing == "fair":
-        queue, policy = FairQueue(config.quantum_tokens), TenantAwarePreemption()
+        queue, policy = (
+            FairQueue(config.quantum_tokens, config.burst_tokens),
+            TenantAwarePreemption(),
+        )
     else:
         queue, policy = FifoQueue(), LatestArrivalFirst()
     scheduler = Scheduler(scheduler_config, kv_cache, queue, policy)

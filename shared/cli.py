@@ -112,6 +112,13 @@ def worker(
     quantum_tokens: Annotated[
         int, typer.Option(help="fair queuing: tokens a tenant may start per round per weight.")
     ] = 256,
+    burst_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="fair queuing: how far ahead of the others a tenant that starts "
+            "waiting may go, in tokens of service (default: 4 quanta)."
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[
         str, typer.Option(help="auto (bf16 on GPUs and AMX CPUs, else fp32) | float32 | bfloat16")
@@ -147,6 +154,7 @@ def worker(
         kv_cache_gb=kv_cache_gb,
         queueing=queueing,
         quantum_tokens=quantum_tokens,
+        burst_tokens=burst_tokens,
         fault_token_id=get_settings().fault_token_id,
     )
     config = WorkerConfig(

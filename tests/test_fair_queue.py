@@ -17,6 +17,15 @@ def _seq(tenant: str, *, tier: int = 1, weight: int = 1, prompt: int = 4):
     return make_sequence(next(_ids), prompt, 8, tenant_id=tenant, tier=tier, weight=weight)
 
 
+def _pop_charged(queue: FairQueue, tenant: str | None = None):
+    """Admit the queue's next sequence, charged and served its tokens as the scheduler does."""
+    seq = queue.pop()
+    assert tenant is None or seq.tenant_id == tenant
+    queue.charge(seq, seq.num_tokens)
+    queue.served(seq, seq.num_tokens)
+    return seq
+
+
 def _fill(queue: FairQueue, tenant: str, n: int, **kwargs) -> None:
     for _ in range(n):
         queue.push(_seq(tenant, **kwargs))
@@ -197,12 +206,27 @@ def test_prefill_order_follows_computed_service_per_weight():
     assert q.priority(light) < q.priority(heavy)
 
 
-def test_a_returning_tenant_leads_the_least_served_waiting_tenant_by_one_quantum_at_most():
-    q = FairQueue(quantum_tokens=100)
+def test_a_returning_tenant_leads_the_least_served_waiting_tenant_by_its_burst_at_most():
+    q = FairQueue(quantum_tokens=100, burst_tokens=300)
     _fill(q, "a", 5)
     a = q.peek()
-    q.served(a, 10_000)  # b was idle all this time: that earns it no lead
+    q.served(a, 10_000)  # b was idle all this time: that earns it no more than a burst
     q.push(b := _seq("b"))
-    assert q.priority(b) < q.priority(a)  # its next prompt goes first...
-    q.served(b, 101)
-    assert q.priority(a) < q.priority(b)  # ...but only for one quantum's worth of tokens
+    assert q.priority(b) < q.priority(a)  # its next prompts go first...
+    q.served(b, 299)
+    assert q.priority(b) < q.priority(a)
+    q.served(b, 2)
+    assert q.priority(a) < q.priority(b)  # ...but only for a burst's worth of tokens
+
+
+def test_a_returning_tenants_burst_is_admitted_before_a_backlogged_tenants_next_turn():
+    q = FairQueue(quantum_tokens=100, burst_tokens=300)
+    _fill(q, "a", 10, prompt=200)
+    for _ in range(3):
+        _pop_charged(q, "a")  # a: 600 tokens of service, b none
+    for _ in range(5):
+        q.push(_seq("b", prompt=100))
+    order = [_pop_charged(q).tenant_id for _ in range(6)]
+    # 300 tokens of credit: b's first three prompts go first, then the two share rounds.
+    assert order[:3] == ["b", "b", "b"]
+    assert order[3:].count("a") >= 1

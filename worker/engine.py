@@ -43,6 +43,7 @@ class EngineConfig:
     # Fault injection for the chaos tests: a model step whose input holds this token id fails.
     fault_token_id: int | None = None
     quantum_tokens: int = DEFAULT_QUANTUM_TOKENS  # fair queuing: tokens per round per weight
+    burst_tokens: int | None = None  # fair queuing: a returning tenant's lead (4 quanta)
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
@@ -60,7 +61,10 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
     if config.queueing == "fair":
         scheduler = Scheduler(
-            scheduler_config, kv_cache, FairQueue(config.quantum_tokens), TenantAwarePreemption()
+            scheduler_config,
+            kv_cache,
+            FairQueue(config.quantum_tokens, config.burst_tokens),
+            TenantAwarePreemption(),
         )
     elif config.queueing == "fifo":
         scheduler = Scheduler(scheduler_config, kv_cache, FifoQueue(), LatestArrivalFirst())

@@ -23,11 +23,14 @@ Sheng et al., OSDI'24):
   per unit of weight. Counters only grow.
 - A tenant that starts waiting is placed against its competition (the tenants waiting in
   its tier or, none waiting, the tenant that last stopped waiting), VTC's lift: its counter
-  is lifted to one quantum below the least-served competitor's, and its deficit is set to
-  the competition's highest level (deficit per unit of weight), less the service per unit
-  of weight it has had beyond the least-served competitor. So it keeps no credit for
-  staying away and using idle capacity is not punished; and it keeps no debt that its
-  service does not show. Deficits alone would keep such debt: a light tenant whose requests
+  is lifted to at most `burst_tokens` (default four quanta) below the least-served
+  competitor's, and its deficit is set to the competition's highest level (deficit per unit
+  of weight) plus how far its counter is below that competitor's (credit, at most the burst
+  allowance) or less how far it is beyond it (debt). So staying away earns at most a burst
+  of service ahead of the others (a light tenant's few prompts in a row go first, as they
+  would on an idle machine), using idle capacity is not punished, and it keeps no debt that
+  its service does not show. Backlogged tenants never start waiting, so the allowance does
+  not touch their shares. Deficits alone would keep such debt: a light tenant whose requests
   all run is charged for each decode with no quantum to set against it (nothing of it
   waits), while a flooding tenant, always waiting, is refilled every round, so the light
   tenant's next request would queue behind the flood (docs/benchmarks.md). It is visited
@@ -43,7 +46,7 @@ or another tenant's at least a quantum beyond it in service (the scheduler preem
 The order of work *within* a step (`priority`: decodes, the next chunk of an admitted
 prompt, and the admission of the next waiting sequence) follows the counters: the least
 served tenant first, and within a tenant decodes before prefill work. A light tenant's
-prompt of up to a quantum thus goes before a flood's decodes and chunks. The deficit cannot
+prompt of up to its burst allowance thus goes before a flood's decodes and chunks. The deficit cannot
 order this work: it is charged a whole prompt at admission, and it measures credit against
 rounds rather than service received.
 """
@@ -59,6 +62,7 @@ from typing import Protocol
 from worker.sequence import Sequence
 
 DEFAULT_QUANTUM_TOKENS = 256
+BURST_QUANTA = 4  # the default burst allowance, in quanta (docs/benchmarks.md)
 DISPLACE_QUANTA = 1.0
 
 
@@ -103,10 +107,17 @@ class TenantState:
 
 
 class FairQueue:
-    def __init__(self, quantum_tokens: int = DEFAULT_QUANTUM_TOKENS) -> None:
+    def __init__(
+        self, quantum_tokens: int = DEFAULT_QUANTUM_TOKENS, burst_tokens: int | None = None
+    ) -> None:
         if quantum_tokens < 1:
             raise ValueError("quantum_tokens must be at least 1")
         self.quantum_tokens = quantum_tokens
+        # How far ahead of its competition a tenant that starts waiting may go (None: four
+        # quanta): a light tenant's burst of prompts up to this many tokens of service.
+        self.burst_tokens = BURST_QUANTA * quantum_tokens if burst_tokens is None else burst_tokens
+        if self.burst_tokens < 0:
+            raise ValueError("burst_tokens must not be negative")
         self.tenants: dict[str, TenantState] = {}
         # Waiting tenants per tier, in round-robin order: the head is visited next.
         self._rings: dict[int, deque[str]] = {}
@@ -183,7 +194,7 @@ class FairQueue:
     def may_displace(self, seq: Sequence, victim: Sequence) -> bool:
         """A higher tier always; in the same tier, another tenant whose service per unit of
         weight is at least a quantum beyond `seq`'s. A tenant that starts waiting is lifted
-        to one quantum below its competition, so it displaces a flood at once; tenants that
+        to a burst below its competition, so it displaces a flood at once; tenants that
         the counters keep within a quantum of each other do not preempt each other."""
         if seq.tier != victim.tier:
             return seq.tier > victim.tier
@@ -223,9 +234,10 @@ class FairQueue:
             competitors = [self.tenants[self._last_left]]
         if competitors:
             floor = min(t.service for t in competitors)
-            tenant.service = max(tenant.service, floor - self.quantum_tokens)
-            ahead = max(0.0, tenant.service - floor)
-            tenant.deficit = (max(t.level for t in competitors) - ahead) * tenant.weight
+            tenant.service = max(tenant.service, floor - self.burst_tokens)
+            # Its service beyond the floor is debt; below it (a burst allowance), credit.
+            behind = floor - tenant.service
+            tenant.deficit = (max(t.level for t in competitors) + behind) * tenant.weight
         ring.appendleft(tenant_id)
 
     def _stop_waiting(self, tenant_id: str) -> None:
