@@ -18,13 +18,10 @@ The cost models are models, stated here, not measurements of a device:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from worker.engine import ContinuousBatchingEngine, EngineConfig
-from worker.fair_queue import FairQueue, FifoQueue
-from worker.kv_cache import KVCacheManager
-from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
-from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.engine import ContinuousBatchingEngine, EngineConfig, build_scheduler
+from worker.scheduler import SchedulerOutput
 
 NUM_KV_BLOCKS = 8192  # 131k tokens of 16: the KV pool is not what these runs measure
 
@@ -69,10 +66,8 @@ class CostRunner:
 
     clock: VirtualClock
     cost: StepCost
-    num_steps: int = field(default=0)
 
     def execute(self, out: SchedulerOutput) -> list[int]:
-        self.num_steps += 1
         self.clock.sleep(self.cost.of(out))
         return [0 for chunk in out.chunks if chunk.is_sampling]
 
@@ -84,16 +79,7 @@ def build_engine(
     config: EngineConfig, clock: VirtualClock, cost: StepCost
 ) -> ContinuousBatchingEngine:
     """A continuous-batching engine as `worker.engine.build_engine` makes it, on `cost`."""
-    kv_cache = KVCacheManager(NUM_KV_BLOCKS, config.block_size)
-    scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-    if config.queueing == "fair":
-        queue, policy = (
-            FairQueue(config.quantum_tokens, config.burst_tokens),
-            TenantAwarePreemption(),
-        )
-    else:
-        queue, policy = FifoQueue(), LatestArrivalFirst()
-    scheduler = Scheduler(scheduler_config, kv_cache, queue, policy)
+    scheduler = build_scheduler(config, NUM_KV_BLOCKS)
     return ContinuousBatchingEngine(scheduler, CostRunner(clock, cost))
 
 

@@ -52,11 +52,16 @@ def test_only_candidates_are_picked_but_shares_count_every_running_sequence():
 
 def _fair_scheduler(*, quantum: int, max_num_seqs: int, budget: int, num_blocks: int):
     """Fair queuing and tenant-aware preemption over a pool of 4-token blocks."""
+    return _scheduler(FairQueue(quantum_tokens=quantum), TenantAwarePreemption(),
+                      max_num_seqs=max_num_seqs, budget=budget, num_blocks=num_blocks)  # fmt: skip
+
+
+def _scheduler(queue, policy, *, max_num_seqs: int, budget: int, num_blocks: int):
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         KVCacheManager(num_blocks, 4),
-        FairQueue(quantum_tokens=quantum),
-        TenantAwarePreemption(),
+        queue,
+        policy,
     )
 
 
@@ -183,11 +188,8 @@ def test_backlogged_tenants_that_share_the_batch_do_not_displace_each_other():
 
 
 def test_fifo_waits_for_room():
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64),
-        KVCacheManager(100, 4),
-        FifoQueue(),
-        LatestArrivalFirst(),
+    scheduler = _scheduler(
+        FifoQueue(), LatestArrivalFirst(), max_num_seqs=2, budget=64, num_blocks=100
     )
     for i in range(2):
         scheduler.add(make_sequence(i, 4, 50, tenant_id="free", tier=0))

@@ -57,22 +57,22 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         loaded, config.kv_cache_gb, config.gpu_memory_fraction
     )
     num_blocks = model_runner.num_blocks_for_budget(loaded, kv_bytes, config.block_size)
+    runner = ModelRunner(loaded, num_blocks, config.block_size)
+    runner.fault_token_id = config.fault_token_id
+    return ContinuousBatchingEngine(build_scheduler(config, num_blocks), runner)
+
+
+def build_scheduler(config: EngineConfig, num_blocks: int) -> Scheduler:
+    """The continuous-batching scheduler of `config` over a pool of `num_blocks` KV blocks:
+    fair queuing with tenant-aware preemption, or FIFO with latest-arrival-first."""
     kv_cache = KVCacheManager(num_blocks, config.block_size)
     scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
     if config.queueing == "fair":
-        scheduler = Scheduler(
-            scheduler_config,
-            kv_cache,
-            FairQueue(config.quantum_tokens, config.burst_tokens),
-            TenantAwarePreemption(),
-        )
-    elif config.queueing == "fifo":
-        scheduler = Scheduler(scheduler_config, kv_cache, FifoQueue(), LatestArrivalFirst())
-    else:
-        raise ValueError(f"unknown queueing {config.queueing!r}")
-    runner = ModelRunner(loaded, num_blocks, config.block_size)
-    runner.fault_token_id = config.fault_token_id
-    return ContinuousBatchingEngine(scheduler, runner)
+        queue = FairQueue(config.quantum_tokens, config.burst_tokens)
+        return Scheduler(scheduler_config, kv_cache, queue, TenantAwarePreemption())
+    if config.queueing == "fifo":
+        return Scheduler(scheduler_config, kv_cache, FifoQueue(), LatestArrivalFirst())
+    raise ValueError(f"unknown queueing {config.queueing!r}")
 
 
 class Engine(Protocol):

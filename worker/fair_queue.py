@@ -46,8 +46,8 @@ or another tenant's at least a quantum beyond it in service (the scheduler preem
 The order of work *within* a step (`priority`: decodes, the next chunk of an admitted
 prompt, and the admission of the next waiting sequence) follows the counters: the least
 served tenant first, and within a tenant decodes before prefill work. A light tenant's
-prompt of up to its burst allowance thus goes before a flood's decodes and chunks. The deficit cannot
-order this work: it is charged a whole prompt at admission, and it measures credit against
+prompts, up to its burst allowance, thus go before a flood's decodes and chunks. The
+deficit cannot order this work: it is charged a whole prompt at admission, and it measures credit against
 rounds rather than service received.
 """
 
@@ -63,7 +63,6 @@ from worker.sequence import Sequence
 
 DEFAULT_QUANTUM_TOKENS = 256
 BURST_QUANTA = 4  # the default burst allowance, in quanta (docs/benchmarks.md)
-DISPLACE_QUANTA = 1.0
 
 
 class WaitingQueue(Protocol):
@@ -200,7 +199,7 @@ class FairQueue:
             return seq.tier > victim.tier
         if seq.tenant_id == victim.tenant_id:
             return False
-        return self._service(victim) - self._service(seq) >= self.quantum_tokens * DISPLACE_QUANTA
+        return self._service(victim) - self._service(seq) >= self.quantum_tokens
 
     def _service(self, seq: Sequence) -> float:
         tenant = self.tenants.get(seq.tenant_id)
