@@ -163,7 +163,9 @@ def bench(
                 kv_cache_gb=kv_cache_gb,
             )
             typer.echo(f"engine-direct: {mode} ...")
-            run = run_engine(build_engine(loaded, config), decoder, workload)
+            run = run_engine(
+                build_engine(loaded, config), decoder, workload, max_concurrency=max_concurrency
+            )
             extra = _kv_stats(run.kv_cache_usage) | {"num_steps": run.num_steps}
             runs[f"engine:{mode}"] = (run.results, run.duration_s, extra)
     if not runs:

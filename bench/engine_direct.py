@@ -47,6 +47,7 @@ class _Driver:
     temperature: float
     tenants: dict[str, TenantSpec]
     clock: WallClock
+    max_concurrency: int | None = None
     start_s: float = 0.0
     num_in_flight: Counter[str] = field(default_factory=Counter)
     tenant_of: dict[int, str] = field(default_factory=dict)
@@ -55,8 +56,12 @@ class _Driver:
         self.start_s = self.clock.now()
 
     def admit_arrived(self) -> None:
+        """Hand the engine what has arrived; with `max_concurrency`, an arrived request
+        waits for a slot and its `start_s` is taken once it holds one (as over HTTP)."""
         now = self.clock.now()
         while self.pending and self.start_s + self.pending[0].arrival_s <= now:
+            if self.max_concurrency and self.num_in_flight.total() >= self.max_concurrency:
+                return
             spec = self.pending.popleft()
             self.results[spec.index].start_s = now
             tenant = self.tenants.get(spec.tenant, TenantSpec(spec.tenant))
@@ -112,9 +117,11 @@ def run_engine(
     tenants: list[TenantSpec] = (),
     until_tenants_done: set[str] | None = None,
     clock=None,
+    max_concurrency: int | None = None,
 ) -> EngineRun:
     """Run `workload` through `engine` until every request finished, or, with
-    `until_tenants_done`, until those tenants' requests have (the rest are abandoned)."""
+    `until_tenants_done`, until those tenants' requests have (the rest are abandoned).
+    `max_concurrency` caps the requests in flight, as the HTTP client's does."""
     results = {spec.index: RequestResult(spec.index, True, None, 0.0) for spec in workload}
     awaited = [
         results[spec.index]
@@ -126,7 +133,16 @@ def run_engine(
     clock = clock or WallClock()
     with progress_bar(len(workload), show_progress) as advance:
         driver = _Driver(
-            engine, decoder, deque(workload), results, run, advance, temperature, by_name, clock
+            engine,
+            decoder,
+            deque(workload),
+            results,
+            run,
+            advance,
+            temperature,
+            by_name,
+            clock,
+            max_concurrency,
         )
         while not all(result.end_s for result in awaited):
             driver.admit_arrived()

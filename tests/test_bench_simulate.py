@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from bench import scenarios, simulate
-from bench.engine_direct import run_plan
+from bench.engine_direct import run_engine, run_plan
+from bench.workload import make_workload
 from tests.factories import make_sequence
 from worker.engine import EngineConfig
 
@@ -46,3 +47,32 @@ def test_under_a_flat_step_cost_fair_queuing_keeps_light_tenants_ttft_where_fifo
 def test_backlogged_weighted_tenants_get_their_shares_at_fifos_throughput():
     checks = _evaluate("weighted", "cpu", duration_s=0, steady_rate_per_s=0)
     assert checks and all(outcome["is_met"] for outcome in checks.values()), checks
+
+
+def test_engine_direct_runs_hold_at_most_max_concurrency_requests_in_flight():
+    # As the HTTP client does: an arrived request waits for a slot, and its time starts
+    # once it holds one.
+    clock = simulate.VirtualClock()
+    engine = simulate.build_engine(EngineConfig(), clock, simulate.COST_MODELS["flat"])
+    workload = make_workload(12, seed=0, arrival="burst", burst_window_s=0.0)
+    run = run_engine(
+        engine,
+        simulate.NullDecoder(),
+        workload,
+        show_progress=False,
+        clock=clock,
+        max_concurrency=3,
+    )
+    assert all(result.is_ok and result.end_s for result in run.results)
+    events = sorted(
+        [(result.start_s, 1) for result in run.results]
+        + [(result.end_s, -1) for result in run.results]
+    )  # an end and a start at the same instant: the end first
+    in_flight = peak = 0
+    for _, change in events:
+        in_flight += change
+        peak = max(peak, in_flight)
+    assert peak == 3
+    # The fourth request started when the first to finish ended, not at its arrival.
+    first_end = min(result.end_s for result in run.results)
+    assert sorted(result.start_s for result in run.results)[3] == first_end
