@@ -72,7 +72,10 @@ def noisy_neighbour(seed: int, duration_s: float, steady_rate_per_s: float) -> S
     shape = {"prompt_tokens_min": 64, "prompt_tokens_max": 256, "output_tokens_mean": 64.0}
     shape["output_tokens_max"] = 128
 
-    def traffic(tenant: str, offset: int, rate_per_s: float, count: int) -> list[RequestSpec]:
+    def traffic(
+        tenant: str, offset: int, first_index: int, rate_per_s: float, count: int
+    ) -> list[RequestSpec]:
+        # `offset` seeds the tenant's stream; its requests are numbered from `first_index`.
         specs = make_workload(
             count, seed=seed + offset, arrival="poisson", rate_per_s=rate_per_s, **shape
         )
@@ -82,14 +85,15 @@ def noisy_neighbour(seed: int, duration_s: float, steady_rate_per_s: float) -> S
         first_s = np.random.default_rng(seed + offset + 1).exponential(1 / rate_per_s)
         return [
             dataclasses.replace(
-                s, tenant=tenant, index=offset + s.index, arrival_s=first_s + s.arrival_s
+                s, tenant=tenant, index=first_index + s.index, arrival_s=first_s + s.arrival_s
             )
             for s in specs
         ]
 
-    steady = traffic("B", 10_000, steady_rate_per_s, num_steady)
-    steady += traffic("C", 20_000, steady_rate_per_s, num_steady)
-    flood = traffic("A", 0, 10 * steady_rate_per_s, 10 * num_steady)
+    # A's requests first, then B's and C's: distinct indices however long the run.
+    flood = traffic("A", 0, 0, 10 * steady_rate_per_s, 10 * num_steady)
+    steady = traffic("B", 10_000, 10 * num_steady, steady_rate_per_s, num_steady)
+    steady += traffic("C", 20_000, 11 * num_steady, steady_rate_per_s, num_steady)
     tenants = [TenantSpec("A"), TenantSpec("B"), TenantSpec("C")]
     limited = [TenantSpec("A", max_requests_in_flight=A_MAX_REQUESTS_IN_FLIGHT), *tenants[1:]]
     return Scenario(

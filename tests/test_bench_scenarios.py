@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from bench import scenarios
@@ -65,3 +67,13 @@ def test_weighted_service_sees_an_unfair_window():
     assert first == pytest.approx(1.0)
     assert second == pytest.approx(0.5)
     assert service["share_error"]["B"] == pytest.approx(10 / 30 / 0.5 - 1)
+
+
+def test_noisy_neighbour_requests_are_numbered_apart_however_long_the_run():
+    # A sends ten times B's count: past 1,000 steady requests its numbers once ran into B's,
+    # and a run's results (keyed by number) mixed A's requests into B's.
+    plan = scenarios.build("noisy-neighbour", seed=0, duration_s=300, steady_rate_per_s=8)
+    flooded = plan.workloads["flooded"]
+    assert len({spec.index for spec in flooded}) == len(flooded)
+    counts = Counter(spec.tenant for spec in flooded)
+    assert counts["A"] == 10 * counts["B"] == 10 * counts["C"] == 24_000
