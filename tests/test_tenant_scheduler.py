@@ -122,6 +122,22 @@ def test_a_light_tenants_new_prompt_goes_before_a_heavy_tenants_prompt_chunks():
     ]
 
 
+def test_a_started_prompt_finishes_before_a_new_prompt_of_a_tenant_within_a_quantum():
+    # b's prompt is part-way through its prefill when c's prompt arrives. c has had less
+    # computed, but within a quantum of b: b's last 16 tokens go first, so b's first token
+    # comes this step instead of b and c leapfrogging (each chunk lifting its tenant's
+    # counter above the other's).
+    scheduler = _fair_scheduler(quantum=64, max_num_seqs=4, budget=32, num_blocks=100)
+    b = make_sequence(0, 48, 4, tenant_id="b")
+    scheduler.add(b)
+    _step(scheduler)  # b's first 32 tokens
+    scheduler.add(make_sequence(1, 24, 4, tenant_id="c"))
+    out = scheduler.schedule()
+    assert [(c.seq.tenant_id, c.num_new_tokens) for c in out.prefills] == [("b", 16), ("c", 16)]
+    scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])
+    assert b.num_output_tokens == 1
+
+
 def test_a_light_tenants_decodes_do_not_put_its_next_prompt_behind_a_flood():
     # light decodes a long answer while heavy floods. Charged for every decode token with
     # nothing waiting, light must not sink into debt behind heavy, whose waiting requests

@@ -43,23 +43,29 @@ When the batch is full, `neediest()` (the head of the waiting tenant with the hi
 and the least service) may displace running work that `may_displace` allows: a lower tier's,
 or another tenant's at least a quantum beyond it in service (the scheduler preempts it).
 
-The order of work *within* a step (`priority`: decodes, the next chunk of an admitted
+The order of work *within* a step (`step_priority`: decodes, the next chunk of an admitted
 prompt, and the admission of the next waiting sequence) follows the counters: the least
 served tenant first, and within a tenant decodes before prefill work. A light tenant's
 prompts, up to its burst allowance, thus go before a flood's decodes and chunks. The
 deficit cannot order this work: it is charged a whole prompt at admission, and it measures credit against
-rounds rather than service received.
+rounds rather than service received. One exception: the running work of a tenant whose
+prompt is part-way through its prefill counts one quantum less service, so a started prompt
+finishes before the new prompts of tenants within a quantum of its own, as in VTC, where a
+prompt admitted is prefilled at once. Without it, two light tenants leapfrog: each chunk
+computed lifts its tenant's counter above the other's, whose next prompt then goes first,
+and the first prompt's last tokens wait a step or two (docs/benchmarks.md). A tenant a
+quantum or more below still goes first (a light tenant's prompt before a flood's chunks).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from worker.sequence import Sequence
+from worker.sequence import Sequence, SequenceStatus
 
 DEFAULT_QUANTUM_TOKENS = 256
 BURST_QUANTA = 4  # the default burst allowance, in quanta (docs/benchmarks.md)
@@ -76,7 +82,11 @@ class WaitingQueue(Protocol):
     def charge(self, seq: Sequence, num_tokens: int) -> None: ...
     def served(self, seq: Sequence, num_tokens: int) -> None: ...
     def priority(self, seq: Sequence) -> tuple:
-        """Sort key of prefill work within a step: smaller goes first."""
+        """Sort key of waiting sequences: smaller goes first."""
+        ...
+
+    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], tuple]:
+        """Sort key of one step's work, running and waiting, given what is running."""
         ...
 
     def neediest(self) -> Sequence | None:
@@ -183,6 +193,21 @@ class FairQueue:
         """Higher tier, then the tenant with the least computed service per unit of weight;
         within a tenant, decodes before prefill work, then age."""
         return (-seq.tier, self._service(seq), _is_prefill(seq), seq.arrival_s)
+
+    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], tuple]:
+        """`priority`, except that the running work of a tenant whose prompt is part-way
+        through its prefill counts one quantum less service (module docstring)."""
+        finishing = {seq.tenant_id for seq in running if _is_part_done(seq)}
+        if not finishing:
+            return self.priority
+
+        def key(seq: Sequence) -> tuple[int, float, bool, float]:
+            tier, service, is_prefill, arrival_s = self.priority(seq)
+            if seq.tenant_id in finishing and seq.status is SequenceStatus.RUNNING:
+                service -= self.quantum_tokens
+            return (tier, service, is_prefill, arrival_s)
+
+        return key
 
     def neediest(self) -> Sequence | None:
         """The next sequence of the waiting tenant in the highest tier with the least
@@ -306,6 +331,9 @@ class FifoQueue:
         """Decodes before prefill work, each in arrival order."""
         return (_is_prefill(seq), seq.arrival_s)
 
+    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], tuple]:
+        return self.priority
+
     def neediest(self) -> Sequence | None:
         return None  # FIFO waits for room
 
@@ -316,3 +344,8 @@ class FifoQueue:
 def _is_prefill(seq: Sequence) -> bool:
     """More than one token to compute: a prompt (chunk), recompute, or not started yet."""
     return seq.num_tokens - seq.num_computed_tokens > 1
+
+
+def _is_part_done(seq: Sequence) -> bool:
+    """A prompt (or recompute) with some of its tokens computed and more to go."""
+    return seq.num_computed_tokens > 0 and _is_prefill(seq)

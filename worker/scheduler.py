@@ -144,8 +144,9 @@ class Scheduler:
             self._admit(displacer, budget, scheduled, out)
             budget = self.config.max_num_batched_tokens - out.num_batched_tokens
         can_admit = True
-        for seq in sorted(self.running, key=self.waiting.priority):
-            while can_admit and budget > 0 and self._is_waiting_ahead_of(seq):
+        priority = self.waiting.step_priority(self.running)
+        for seq in sorted(self.running, key=priority):
+            while can_admit and budget > 0 and self._is_waiting_ahead_of(seq, priority):
                 can_admit = self._admit_next(budget, scheduled, out)
                 budget = self.config.max_num_batched_tokens - out.num_batched_tokens
             budget = self._schedule_running(seq, budget, scheduled, out)
@@ -217,9 +218,9 @@ class Scheduler:
         context = seq.num_computed_tokens + num_new
         return max(MIN_PREFILL_CHUNK, min(num_new, self.config.max_prefill_attention // context))
 
-    def _is_waiting_ahead_of(self, seq: Sequence) -> bool:
+    def _is_waiting_ahead_of(self, seq: Sequence, priority) -> bool:
         head = self.waiting.peek()
-        return head is not None and self.waiting.priority(head) < self.waiting.priority(seq)
+        return head is not None and priority(head) < priority(seq)
 
     def _make_room(
         self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput
