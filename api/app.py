@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -16,6 +18,7 @@ from api import admin, dashboard, metrics
 from api.context import ApiContext, KVCapacity, TokenizerCache
 from api.errors import APIError
 from api.routes import routes
+from shared import deployments
 from shared.db import create_schema, make_engine
 from shared.journal import Journal
 from shared.metrics import ApiMetrics
@@ -37,9 +40,14 @@ def create_app(settings: Settings | None = None) -> Starlette:
         ctx = ApiContext(
             settings, engine, redis, TokenizerCache(settings), KVCapacity(redis), journal
         )
+        # In the background: the API serves at once; a request that comes first waits for
+        # its tokenizer as it would have without this.
+        active = await run_in_threadpool(deployments.list_active, engine)
+        warming = asyncio.create_task(ctx.tokenizers.warm(active))
         try:
             yield {"ctx": ctx, "metrics": ApiMetrics()}
         finally:
+            warming.cancel()
             await redis.aclose()
             engine.dispose()
 

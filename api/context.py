@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ from shared import keys, model_source
 from shared.journal import Journal
 from shared.settings import Settings
 from shared.tables import ModelDeployment
+
+log = logging.getLogger("llmfleet.api")
 
 
 @dataclass
@@ -33,6 +36,19 @@ class TokenizerCache:
             if deployment.id not in self._tokenizers:
                 self._tokenizers[deployment.id] = await run_in_threadpool(self._load, deployment)
         return self._tokenizers[deployment.id]
+
+    def is_loaded(self, deployment_id: int) -> bool:
+        return deployment_id in self._tokenizers
+
+    async def warm(self, deployments: list[ModelDeployment]) -> None:
+        """Load these deployments' tokenizers ahead of their first request (the first load
+        takes seconds, and every request for the deployment waits on it). A deployment whose
+        tokenizer fails to load is left for its requests to report."""
+        for deployment in deployments:
+            try:
+                await self.get(deployment)
+            except Exception:
+                log.warning("tokenizer of %s failed to load", deployment.model_id, exc_info=True)
 
     def _load(self, deployment: ModelDeployment):
         source = model_source.resolve(deployment.source)
