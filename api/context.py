@@ -25,14 +25,16 @@ class TokenizerCache:
 
     settings: Settings
     _tokenizers: dict[int, object] = field(default_factory=dict)
-    _locks: dict[int, asyncio.Lock] = field(default_factory=dict)
+    # One load at a time, whatever the deployment: two threads importing transformers'
+    # lazily loaded modules at once fail ("cannot import name 'AutoTokenizer'"), as the
+    # startup's warm-up and a first request did.
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def get(self, deployment: ModelDeployment):
         assert deployment.id is not None
         if (tokenizer := self._tokenizers.get(deployment.id)) is not None:
             return tokenizer
-        lock = self._locks.setdefault(deployment.id, asyncio.Lock())
-        async with lock:
+        async with self._lock:
             if deployment.id not in self._tokenizers:
                 self._tokenizers[deployment.id] = await run_in_threadpool(self._load, deployment)
         return self._tokenizers[deployment.id]
