@@ -76,3 +76,11 @@ def test_engine_direct_runs_hold_at_most_max_concurrency_requests_in_flight():
     # The fourth request started when the first to finish ended, not at its arrival.
     first_end = min(result.end_s for result in run.results)
     assert sorted(result.start_s for result in run.results)[3] == first_end
+
+
+def test_under_a_flat_step_cost_light_tenants_keep_their_ttft_when_a_flood_fills_the_device():
+    # A at 2.4 times the device's capacity: the batch is full of A's work and A's prompts
+    # are always waiting. B's and C's prompts still start within their TTFT alone.
+    checks = _evaluate("noisy-neighbour", "flat", duration_s=120, steady_rate_per_s=8)
+    assert checks[TTFT_RATIO.format(queueing="fair")]["is_met"]
+    assert not checks[TTFT_RATIO.format(queueing="fifo")]["is_met"]

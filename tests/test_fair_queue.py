@@ -189,7 +189,8 @@ def test_a_tenant_served_beyond_its_competition_waits_its_turn_on_return():
     picks = []
     for _ in range(12):
         seq = q.pop()
-        q.charge(seq, 100)  # a quantum each
+        q.charge(seq, 100)  # a quantum each, computed at once
+        q.served(seq, 100)
         picks.append(seq.tenant_id)
     assert picks == ["a"] * 10 + ["b", "a"]  # b sits out the 10 quanta it is ahead by
 
@@ -230,3 +231,21 @@ def test_a_returning_tenants_burst_is_admitted_before_a_backlogged_tenants_next_
     # 300 tokens of credit: b's first three prompts go first, then the two share rounds.
     assert order[:3] == ["b", "b", "b"]
     assert order[3:].count("a") >= 1
+
+
+def test_a_tenant_a_quantum_behind_in_service_goes_before_the_round_robins_turn():
+    # b's second prompt waits while its first runs. b's deficit is spent (charged for more
+    # than it has had computed), yet b has had more than a quantum less computed than a, so
+    # the second prompt goes before a's next one instead of waiting for b's next DRR turn.
+    q = FairQueue(quantum_tokens=100, burst_tokens=300)
+    _fill(q, "a", 10, prompt=100)
+    for _ in range(3):
+        _pop_charged(q, "a")  # a: 300 tokens of service
+    q.push(_seq("b", prompt=100))
+    q.push(_seq("b", prompt=100))
+    first = _pop_charged(q, "b")  # b: lifted to 0, then 100 of service
+    q.charge(first, 1_000)  # its deficit spent
+    assert q.tenants["b"].deficit <= 0
+    assert q.peek().tenant_id == "b"
+    _pop_charged(q, "b")  # b: 200, within a quantum of a's 300: the round-robin again
+    assert q.peek().tenant_id == "a"

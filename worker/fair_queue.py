@@ -37,6 +37,13 @@ Sheng et al., OSDI'24):
   next, ahead of the backlogged tenants' next turn: a light tenant's request does not queue
   behind a heavy tenant's round.
 
+One exception to the round-robin: a waiting tenant a quantum or more below the next
+tenant's counter goes first, whatever its deficit (the rule `may_displace` applies to running
+work). Tenants within a quantum of each other, as backlogged tenants are, take their DRR
+turns, so the rounds set their shares; a light tenant whose second prompt arrives while its
+first waits, its deficit spent on the first, no longer waits for the round-robin's next turn
+behind a flood's new prompts (docs/benchmarks.md).
+
 It is work-conserving: whenever any sequence waits, `peek()` returns one.
 
 When the batch is full, `neediest()` (the head of the waiting tenant with the highest tier
@@ -276,7 +283,11 @@ class FairQueue:
         if not eligible:
             self._start_rounds(ring)
             eligible = [t for t in ring if self.tenants[t].deficit > 0]
-        return eligible[0]  # the ring's order: the first eligible after the pointer
+        head = eligible[0]  # the ring's order: the first eligible after the pointer
+        neediest = min(ring, key=lambda t: self.tenants[t].service)
+        if self.tenants[neediest].service <= self.tenants[head].service - self.quantum_tokens:
+            return neediest  # a quantum or more behind in service: before the round's turn
+        return head
 
     def _start_rounds(self, ring: deque[str]) -> None:
         """Add as many rounds of quantum * weight as it takes for one waiting tenant to become
