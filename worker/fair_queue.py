@@ -231,7 +231,7 @@ class FairQueue:
             return seq.tier > victim.tier
         if seq.tenant_id == victim.tenant_id:
             return False
-        return self._service(victim) - self._service(seq) >= self.quantum_tokens
+        return self._is_a_quantum_behind(self._service(seq), self._service(victim))
 
     def _service(self, seq: Sequence) -> float:
         tenant = self.tenants.get(seq.tenant_id)
@@ -284,10 +284,15 @@ class FairQueue:
             self._start_rounds(ring)
             eligible = [t for t in ring if self.tenants[t].deficit > 0]
         head = eligible[0]  # the ring's order: the first eligible after the pointer
-        neediest = min(ring, key=lambda t: self.tenants[t].service)
-        if self.tenants[neediest].service <= self.tenants[head].service - self.quantum_tokens:
-            return neediest  # a quantum or more behind in service: before the round's turn
+        neediest = self.neediest().tenant_id  # of this tier: the highest with anything waiting
+        if self._is_a_quantum_behind(self.tenants[neediest].service, self.tenants[head].service):
+            return neediest  # before the round's turn
         return head
+
+    def _is_a_quantum_behind(self, service: float, other: float) -> bool:
+        """The rule for going before another tenant's turn or running work: a quantum or
+        more less service per unit of weight."""
+        return other - service >= self.quantum_tokens
 
     def _start_rounds(self, ring: deque[str]) -> None:
         """Add as many rounds of quantum * weight as it takes for one waiting tenant to become
