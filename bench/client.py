@@ -37,6 +37,7 @@ class RequestResult:
     end_s: float = 0.0  # when [DONE] (or the error) arrived
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # from the usage chunk, else the number of text chunks
+    num_computed_tokens: int = 0  # engine-direct only: prompt, decodes and recompute
 
     @property
     def ttft_s(self) -> float | None:
@@ -68,18 +69,22 @@ async def run_http(
     temperature: float = 0.0,
     timeout_s: float = 600.0,
     show_progress: bool = True,
+    tenant_keys: dict[str, str] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send `workload` to `{base_url}/v1/completions`; return results in index order and the run's wall seconds.
 
     Every request is launched at run start + `arrival_s`, independent of completions. With
     `max_concurrency`, a launched request waits for a slot and `start_s` is taken once it
     holds one. `timeout_s` bounds each whole request. A failed request is recorded, never raised.
+    `tenant_keys`: each request is sent with its tenant's key (`RequestSpec.tenant`), not
+    `api_key` (multi-tenant scenarios).
     """
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     client = _make_client(base_url, api_key, max_concurrency, timeout_s)
     async with client:
         with progress_bar(len(workload), show_progress) as advance:
             sender = _Sender(client, model, temperature, timeout_s, semaphore, advance)
+            sender.tenant_keys = tenant_keys or {}
             run_start_s = time.perf_counter()
             results = await asyncio.gather(*(sender.launch(s, run_start_s) for s in workload))
             duration_s = time.perf_counter() - run_start_s
@@ -112,6 +117,7 @@ class _Sender:
     timeout_s: float
     semaphore: asyncio.Semaphore | None
     advance: Callable[[], None]
+    tenant_keys: dict[str, str] = field(default_factory=dict)
 
     async def launch(self, spec: RequestSpec, run_start_s: float) -> RequestResult:
         await asyncio.sleep(max(0.0, run_start_s + spec.arrival_s - time.perf_counter()))
@@ -148,7 +154,11 @@ class _Sender:
             "stream_options": {"include_usage": True},
             "ignore_eos": True,
         }
-        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+        key = self.tenant_keys.get(spec.tenant)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        async with self.client.stream(
+            "POST", "/v1/completions", json=body, headers=headers
+        ) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 _fail(result, f"HTTP {response.status_code}: {text}")

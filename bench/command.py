@@ -47,14 +47,27 @@ def bench(
     roofline_batch: Annotated[list[int] | None, typer.Option()] = None,
     roofline_context: int = 256,
     scenario: Annotated[
-        str | None, typer.Option(help="noisy-neighbour | weighted (multi-tenant, engine-direct).")
+        str | None,
+        typer.Option(
+            help="noisy-neighbour | weighted | burst-fill | burst-kv | weighted-pool "
+            "(multi-tenant; engine-direct, --simulate, or over HTTP with --url and --admin-key)."
+        ),
     ] = None,
     scenario_duration_s: Annotated[
         float, typer.Option(help="noisy-neighbour: seconds of steady arrivals.")
     ] = 40.0,
     steady_rate_per_s: Annotated[
-        float, typer.Option(help="noisy-neighbour: B's and C's rate; A sends 10x.")
+        float,
+        typer.Option(help="noisy-neighbour: B's and C's rate (A sends 10x); burst-*: B's rate."),
     ] = 0.4,
+    num_workers: Annotated[int, typer.Option(help="weighted-pool: workers in the pool.")] = 2,
+    full_stack: Annotated[
+        bool,
+        typer.Option(
+            help="Scenarios: each run on a platform of its own (embedded Redis, SQLite, API, "
+            "control, the run's workers) over HTTP (bench/full_stack.py)."
+        ),
+    ] = False,
     simulate: Annotated[
         str | None,
         typer.Option(
@@ -106,17 +119,17 @@ def bench(
             quantum_tokens=quantum_tokens,
             burst_tokens=burst_tokens,
         )
-        _scenario(
+        args = ScenarioArgs(
             scenario,
-            base,
-            source,
-            dtype,
             seed,
             scenario_duration_s,
             steady_rate_per_s,
-            json_path,
-            simulate,
+            num_workers,
+            "full-stack" if full_stack else simulate or "engine-direct",
+            source,
+            dtype,
         )
+        _scenario(args, base, json_path)
         return
     from bench.client import run_http
     from bench.workload import make_workload
@@ -204,46 +217,69 @@ def _roofline(source: str, dtype: str, batch_sizes: list[int], context: int, jso
         report.write_json(json_path, {"bandwidth_bytes_per_s": bandwidth, "points": points})
 
 
-def _scenario(
-    name: str,
-    base,
-    source: str,
-    dtype: str,
-    seed: int,
-    duration_s: float,
-    steady_rate_per_s: float,
-    json_path: str | None,
-    simulate: str | None = None,
-) -> None:
-    from bench import metrics, report, scenarios
-    from bench import simulate as simulation
-    from bench.engine_direct import run_plan
+@dataclasses.dataclass(frozen=True)
+class ScenarioArgs:
+    name: str
+    seed: int
+    duration_s: float
+    steady_rate_per_s: float
+    num_workers: int
+    mode: str  # "engine-direct", "full-stack", or a --simulate cost model
+    source: str
+    dtype: str
 
+
+def _scenario(args: ScenarioArgs, base, json_path: str | None) -> None:
+    from bench import scenarios
+
+    simulated = args.mode if args.mode not in ("engine-direct", "full-stack") else None
     plan = scenarios.build(
-        name, seed=seed, duration_s=duration_s, steady_rate_per_s=steady_rate_per_s
+        args.name,
+        seed=args.seed,
+        duration_s=args.duration_s,
+        steady_rate_per_s=args.steady_rate_per_s,
+        num_workers=args.num_workers,
+        ttft_ratio_max=scenarios.burst_ttft_ratio_max(simulated),
     )
-    if simulate is None:
+
+    def on_run(label: str) -> None:
+        typer.echo(f"{args.name}: {label} ...")
+
+    if args.mode == "full-stack":
+        from bench import full_stack
+
+        runs, durations = full_stack.run_plan(plan, base, args.source, args.dtype, on_run=on_run)
+    else:
+        from bench.scenario_driver import run_plan
+
+        make_engine, decoder = _engines(args, simulated)
+        runs, durations = run_plan(plan, base, make_engine, decoder, on_run=on_run)
+    _report_scenario(args, plan, runs, durations, base, json_path)
+
+
+def _engines(args: ScenarioArgs, simulated: str | None):
+    """`make_engine(config) -> (engine, clock or None)` and the decoder of in-process runs:
+    the real model (engine-direct), or the step-cost model of `--simulate`."""
+    from bench import simulate
+
+    if simulated is None:
         from shared import model_source
         from worker.engine import build_engine
         from worker.runner import loader
 
-        resolved = model_source.resolve(source)
-        loaded = loader.load(resolved, "auto", dtype)
-        decoder = model_source.load_tokenizer(resolved)
-
-        def make_engine(config):
-            return build_engine(loaded, config), None
-
-    elif simulate not in simulation.COST_MODELS:
-        raise typer.BadParameter(
-            f"one of {sorted(simulation.COST_MODELS)}", param_hint="--simulate"
+        resolved = model_source.resolve(args.source)
+        loaded = loader.load(resolved, "auto", args.dtype)
+        return (lambda config: (build_engine(loaded, config), None)), (
+            model_source.load_tokenizer(resolved)
         )
-    else:
-        decoder = simulation.NullDecoder()
-        make_engine = simulation.engine_factory(simulation.COST_MODELS[simulate])
-    runs, durations = run_plan(
-        plan, base, make_engine, decoder, on_run=lambda label: typer.echo(f"{name}: {label} ...")
-    )
+    if simulated not in simulate.COST_MODELS:
+        raise typer.BadParameter(f"one of {sorted(simulate.COST_MODELS)}", param_hint="--simulate")
+    return simulate.engine_factory(simulate.COST_MODELS[simulated]), simulate.NullDecoder()
+
+
+def _report_scenario(args: ScenarioArgs, plan, runs, durations, base, json_path) -> None:
+    from bench import metrics, report, scenarios, simulate
+
     tenant_of = scenarios.tenant_of(plan)
     rows = {
         f"{label} / {tenant}": metrics.summarize(
@@ -257,31 +293,29 @@ def _scenario(
     for check, outcome in evaluation["checks"].items():
         verdict = "met" if outcome["is_met"] else "NOT met"
         typer.echo(f"{check}: {outcome['value']:.3f} (target {outcome['target']}): {verdict}")
-    if json_path:
-        report.write_json(
-            json_path,
-            {
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "scenario": name,
-                "arguments": {
-                    "seed": seed,
-                    "duration_s": duration_s,
-                    "steady_rate_per_s": steady_rate_per_s,
-                    "engine": dataclasses.asdict(base),
-                    "source": source,
-                    "dtype": dtype,
-                    "simulated_step_cost": simulate
-                    and dataclasses.asdict(simulation.COST_MODELS[simulate]),
-                },
-                "tenants": [dataclasses.asdict(t) for t in plan.tenants],
-                "per_tenant": rows,
-                "evaluation": evaluation,
-                "requests": {
-                    label: [dataclasses.asdict(r) | {"tenant": tenant_of[r.index]} for r in results]
-                    for label, results in runs.items()
-                },
-            },
-        )
+    if not json_path:
+        return
+    cost = simulate.COST_MODELS.get(args.mode)
+    arguments = dataclasses.asdict(args) | {
+        "engine": dataclasses.asdict(base),
+        "simulated_step_cost": cost and dataclasses.asdict(cost),
+    }
+    requests = {
+        label: [dataclasses.asdict(r) | {"tenant": tenant_of[r.index]} for r in results]
+        for label, results in runs.items()
+    }
+    report.write_json(
+        json_path,
+        {
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "scenario": args.name,
+            "arguments": arguments,
+            "tenants": [dataclasses.asdict(t) for t in plan.tenants],
+            "per_tenant": rows,
+            "evaluation": evaluation,
+            "requests": requests,
+        },
+    )
 
 
 def _kv_stats(samples: list[float]) -> dict:

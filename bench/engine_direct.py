@@ -7,7 +7,6 @@ a simulated clock: `bench/simulate.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -70,7 +69,7 @@ class _Driver:
                 continue
             self.num_in_flight[tenant.name] += 1
             self.tenant_of[spec.index] = tenant.name
-            refused = self.engine.add(_sequence(spec, tenant, self.decoder, self.temperature))
+            refused = self.engine.add(sequence_of(spec, tenant, self.decoder, self.temperature))
             if refused is not None:
                 self.record(refused, now)
 
@@ -151,7 +150,13 @@ def run_engine(
     return run
 
 
-def _sequence(spec: RequestSpec, tenant: TenantSpec, decoder, temperature: float) -> Sequence:
+def sequence_of(
+    spec: RequestSpec,
+    tenant: TenantSpec,
+    decoder,
+    temperature: float = 0.0,
+    arrival_ts: float | None = None,
+) -> Sequence:
     request = QueuedRequest(
         request_id=str(spec.index),
         tenant_id=tenant.name,
@@ -164,27 +169,6 @@ def _sequence(spec: RequestSpec, tenant: TenantSpec, decoder, temperature: float
         sampling=SamplingParams(
             max_tokens=spec.max_tokens, temperature=temperature, ignore_eos=True, seed=spec.index
         ),
-        arrival_ts=time.time(),
+        arrival_ts=time.time() if arrival_ts is None else arrival_ts,
     )
     return Sequence.from_request(request, decoder, frozenset())
-
-
-def run_plan(plan, base, make_engine, decoder, *, on_run=None, show_progress=True):
-    """Every run of a scenario plan (`bench/scenarios.py`), each on a fresh engine from
-    `make_engine(config) -> (engine, clock or None)`; the results and durations by label."""
-    runs, durations = {}, {}
-    for planned in plan.runs:
-        if on_run is not None:
-            on_run(planned.label)
-        engine, clock = make_engine(dataclasses.replace(base, queueing=planned.queueing))
-        run = run_engine(
-            engine,
-            decoder,
-            plan.workloads[planned.workload],
-            tenants=planned.tenants or plan.tenants,
-            until_tenants_done=plan.until_tenants_done,
-            clock=clock,
-            show_progress=show_progress,
-        )
-        runs[planned.label], durations[planned.label] = run.results, run.duration_s
-    return runs, durations

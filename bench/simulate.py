@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from worker.engine import ContinuousBatchingEngine, EngineConfig, build_scheduler
 from worker.scheduler import SchedulerOutput
 
-NUM_KV_BLOCKS = 8192  # 131k tokens of 16: the KV pool is not what these runs measure
+NUM_KV_BLOCKS = 8192  # 131k tokens of 16, unless a run sets its pool (burst-kv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,8 @@ COST_MODELS = {
 
 @dataclass
 class VirtualClock:
-    """`now()` and `sleep()` for `bench.engine_direct.run_engine`; steps advance it."""
+    """`now()` and `sleep()` for `bench.engine_direct.run_engine` and a scenario worker
+    (`bench/scenario_driver.py`); steps advance it."""
 
     now_s: float = 1000.0  # not 0: a result's time of 0 would read as "not yet"
 
@@ -79,12 +80,12 @@ def build_engine(
     config: EngineConfig, clock: VirtualClock, cost: StepCost
 ) -> ContinuousBatchingEngine:
     """A continuous-batching engine as `worker.engine.build_engine` makes it, on `cost`."""
-    scheduler = build_scheduler(config, NUM_KV_BLOCKS)
+    scheduler = build_scheduler(config, config.num_kv_blocks or NUM_KV_BLOCKS)
     return ContinuousBatchingEngine(scheduler, CostRunner(clock, cost))
 
 
 def engine_factory(cost: StepCost):
-    """For `bench.engine_direct.run_plan`: a fresh engine and clock per run."""
+    """For `bench.scenario_driver.run_plan`: a fresh engine and clock per worker."""
 
     def make(config: EngineConfig) -> tuple[ContinuousBatchingEngine, VirtualClock]:
         clock = VirtualClock()

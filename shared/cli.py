@@ -106,6 +106,10 @@ def worker(
         float | None,
         typer.Option(help="continuous: KV pool size (default 2 on CPU, 85% of free GPU memory)."),
     ] = None,
+    num_kv_blocks: Annotated[
+        int | None,
+        typer.Option(help="continuous: the KV pool in blocks (overrides --kv-cache-gb)."),
+    ] = None,
     queueing: Annotated[
         str, typer.Option(help="continuous: fair (tenants, tiers, weights) | fifo (baseline).")
     ] = "fair",
@@ -129,12 +133,26 @@ def worker(
     metrics_host: Annotated[
         str, typer.Option(help="Address /metrics listens on (0.0.0.0 in a container).")
     ] = "127.0.0.1",
+    fairness_scope: Annotated[
+        str,
+        typer.Option(
+            help="fair queuing: pool (service counters shared by the model's workers, in "
+            "Redis) | worker (each worker its own)."
+        ),
+    ] = "pool",
+    prefer_tenants: Annotated[
+        str,
+        typer.Option(
+            help="Tenant ids (comma-separated) whose requests this worker takes first "
+            "(affinity); it still serves every tenant."
+        ),
+    ] = "",
 ) -> None:
     """Run a worker that serves one model deployment."""
     from shared import deployments
     from shared.model_source import DEFAULT_MODEL_ID
     from worker.engine import EngineConfig
-    from worker.service import Worker, WorkerConfig
+    from worker.service import FAIRNESS_SCOPES, Worker, WorkerConfig
 
     _setup_logging()
     engine = _db()
@@ -152,13 +170,22 @@ def worker(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         kv_cache_gb=kv_cache_gb,
+        num_kv_blocks=num_kv_blocks,
         queueing=queueing,
         quantum_tokens=quantum_tokens,
         burst_tokens=burst_tokens,
         fault_token_id=get_settings().fault_token_id,
     )
+    if fairness_scope not in FAIRNESS_SCOPES:
+        raise typer.BadParameter(f"one of {FAIRNESS_SCOPES}", param_hint="--fairness-scope")
     config = WorkerConfig(
-        engine_config, device, dtype, metrics_port=metrics_port, metrics_host=metrics_host
+        engine_config,
+        device,
+        dtype,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        fairness_scope=fairness_scope,
+        preferred_tenants=frozenset(t.strip() for t in prefer_tenants.split(",") if t.strip()),
     )
     engine.dispose()  # the worker needs SQL only to find its deployment
     service = Worker(get_settings(), deployment, config)

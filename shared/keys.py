@@ -26,6 +26,9 @@ Layout (all under the `llmfleet:` prefix):
                                   arq keeps each job under its own `arq:job:{id}`,
                                   `arq:result:{id}`, `arq:in-progress:{id}`, `arq:retry:{id}`
                                   keys, with ids `usage:{request_id}` (`shared/control.py`).
+- `llmfleet:service:{model}`      hash with a TTL: tenant id -> tokens computed for the tenant per
+                                  unit of its weight, by every worker of the model (the pool's
+                                  fair-queuing counters, `worker/pool_service.py`).
 - `llmfleet:latency:{model}:{kind}` list: a model's latest TTFT or ITL samples (`kind` = `ttft` or
                                   `itl`), newest first, capped; workers write, `/dashboard` and
                                   `llmfleet status` read (`shared/latency_window.py`).
@@ -64,6 +67,10 @@ def worker_heartbeat_pattern() -> str:
 
 def model_capacity(model: str) -> str:
     return f"{PREFIX}:capacity:{model}"
+
+
+def tenant_service(model: str) -> str:
+    return f"{PREFIX}:service:{model}"
 
 
 def tenant_inflight(tenant: str) -> str:

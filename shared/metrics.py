@@ -98,6 +98,12 @@ class WorkerMetrics:
             "Fraction (0-1, as vLLM's) of the KV-cache blocks in use.",
             ("model",), registry=r,
         )  # fmt: skip
+        self.pool_sync_s = Histogram(
+            "llmfleet_pool_sync_seconds",
+            "Round trip of a step's sync of the pool's fair-queuing counters with Redis "
+            "(it runs while the step computes).",
+            ("model",), buckets=ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
         self.max_num_seqs = Gauge(
             "llmfleet_max_num_seqs",
             "Places in the batch (--max-num-seqs; --max-batch-size for static batching).",

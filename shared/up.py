@@ -37,6 +37,7 @@ class LocalStack:
     console: Console = field(default_factory=Console)
     children: list[subprocess.Popen] = field(default_factory=list)
     redis_server: EmbeddedRedis | None = None
+    env_overrides: dict[str, str] = field(default_factory=dict)  # for every child
 
     def start_redis(self) -> None:
         if not self.settings.is_embedded_redis or _answers_ping(self.settings.redis_url):
@@ -49,7 +50,7 @@ class LocalStack:
         log_dir = self.settings.home / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = (log_dir / f"{name}.log").open("ab")
-        env = {**os.environ, "LLMFLEET_HOME_DIR": str(self.settings.home)}
+        env = {**os.environ, **self.env_overrides, "LLMFLEET_HOME_DIR": str(self.settings.home)}
         process = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", *args], stdout=log, stderr=log, env=env
         )
@@ -138,7 +139,7 @@ def _show_progress(
             if api.poll() is not None or worker.poll() is not None or elapsed > START_TIMEOUT_S:
                 raise SystemExit(f"startup failed; see the logs under {settings.home / 'logs'}")
             worker_state = _worker_state(client, worker.pid)
-            api_state = "ready" if _api_ready(settings) else "starting"
+            api_state = "ready" if api_ready(settings) else "starting"
             status.update(
                 f"worker ({model}): {worker_state} · api: {api_state} · {elapsed:.0f}s"
                 + ("  (loading the model's weights)" if worker_state == "loading" else "")
@@ -156,7 +157,7 @@ def _worker_state(client: redis.Redis, pid: int) -> str:
     return "starting"
 
 
-def _api_ready(settings: Settings) -> bool:
+def api_ready(settings: Settings) -> bool:
     try:
         url = f"http://{settings.api_host}:{settings.api_port}/healthz"
         return httpx.get(url, timeout=1).status_code == 200

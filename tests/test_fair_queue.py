@@ -1,4 +1,5 @@
-"""Weighted deficit round-robin over tenants, charged in tokens: pure and deterministic."""
+"""Fair queuing over tenants by their service in tokens per unit of weight (VTC): pure and
+deterministic."""
 
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ def _fill(queue: FairQueue, tenant: str, n: int, **kwargs) -> None:
 
 
 def _serve(queue: FairQueue, num_pops: int, cost_of=lambda seq: 100) -> Counter[str]:
-    """Pop and charge each popped sequence its cost at once; tokens served per tenant."""
+    """Pop each sequence and compute its cost at once; tokens served per tenant."""
     served: Counter[str] = Counter()
     for _ in range(num_pops):
         seq = queue.pop()
         queue.charge(seq, cost_of(seq))
+        queue.served(seq, cost_of(seq))
         served[seq.tenant_id] += cost_of(seq)
     return served
 
@@ -103,24 +105,24 @@ def test_work_conserving_whatever_the_debt():
 
 
 def test_no_credit_accrues_while_idle():
-    q = FairQueue(quantum_tokens=100)
+    q = FairQueue(quantum_tokens=100, burst_tokens=0)
     _fill(q, "a", 500)
     _serve(q, 300)  # b is idle all this time
     _fill(q, "b", 50)
-    picks = [seq.tenant_id for seq in (q.pop() for _ in range(10))]
-    assert 4 <= picks.count("b") <= 6  # b shares from now on; it does not get a long run
+    picks = list(_serve(q, 10).elements())
+    assert 400 <= picks.count("b") <= 600  # b shares from now on; it does not get a long run
 
 
 def test_using_idle_capacity_is_not_punished():
-    q = FairQueue(quantum_tokens=100)
+    q = FairQueue(quantum_tokens=100, burst_tokens=0)
     _fill(q, "a", 10)
     _serve(q, 10)  # a alone: its queue empties
     running = _seq("a")
-    q.charge(running, 50_000)  # a's running sequences use the idle machine heavily
-    _fill(q, "b", 20)  # b arrives first: it takes the level of a, the last to leave
+    q.served(running, 50_000)  # a's running sequences use the idle machine heavily
+    _fill(q, "b", 20)  # b arrives first: it is lifted to the level of a, the last to leave
     _fill(q, "a", 20)
-    picks = [seq.tenant_id for seq in (q.pop() for _ in range(10))]
-    assert 4 <= picks.count("a") <= 6
+    served = _serve(q, 10)
+    assert 400 <= served["a"] <= 600
 
 
 def test_a_preempted_sequence_goes_back_ahead_of_its_own_tenants_newer_work():
@@ -233,19 +235,99 @@ def test_a_returning_tenants_burst_is_admitted_before_a_backlogged_tenants_next_
     assert order[3:].count("a") >= 1
 
 
-def test_a_tenant_a_quantum_behind_in_service_goes_before_the_round_robins_turn():
-    # b's second prompt waits while its first runs. b's deficit is spent (charged for more
-    # than it has had computed), yet b has had more than a quantum less computed than a, so
-    # the second prompt goes before a's next one instead of waiting for b's next DRR turn.
-    q = FairQueue(quantum_tokens=100, burst_tokens=300)
-    _fill(q, "a", 10, prompt=100)
-    for _ in range(3):
-        _pop_charged(q, "a")  # a: 300 tokens of service
-    q.push(_seq("b", prompt=100))
-    q.push(_seq("b", prompt=100))
-    first = _pop_charged(q, "b")  # b: lifted to 0, then 100 of service
-    q.charge(first, 1_000)  # its deficit spent
-    assert q.tenants["b"].deficit <= 0
-    assert q.peek().tenant_id == "b"
-    _pop_charged(q, "b")  # b: 200, within a quantum of a's 300: the round-robin again
-    assert q.peek().tenant_id == "a"
+def test_a_prompt_is_charged_from_admission_until_it_is_computed():
+    # b's long prompt is admitted and not computed yet (chunked over several steps): b
+    # counts as served by it already, so a's next request goes first, and b's next one
+    # does not jump ahead while the first is still being prefilled.
+    q = FairQueue(quantum_tokens=100, burst_tokens=0)
+    _fill(q, "a", 3)
+    _fill(q, "b", 3)
+    first = q.pop()
+    assert first.tenant_id == "b"  # the last to start waiting goes first among equals
+    q.charge(first, 1_000)
+    assert q.tenants["b"].service == 0
+    assert [q.pop().tenant_id for _ in range(2)] == ["a", "a"]
+    q.served(first, 1_000)  # computed: the charge turns into service, not twice
+    assert q.tenants["b"].counter == 1_000
+
+
+def test_a_refund_gives_back_what_was_charged_and_will_not_be_computed():
+    q = FairQueue(quantum_tokens=100, burst_tokens=0)
+    _fill(q, "a", 3)
+    _fill(q, "b", 3)
+    first = q.pop()
+    q.charge(first, 1_000)
+    q.charge(first, -1_000)  # preempted before any of it was computed
+    assert q.tenants[first.tenant_id].counter == 0
+    assert q.pop().tenant_id != first.tenant_id  # round robin among equals again
+
+
+def test_service_updates_carry_what_was_computed_and_the_lifts_then_start_afresh():
+    q = FairQueue(quantum_tokens=100, burst_tokens=100)
+    q.push(a := _seq("a", weight=2))
+    q.served(q.pop(), 300)
+    q.push(_seq("a", weight=2))  # a waits again
+    q.push(_seq("b"))  # b is lifted to a's 150 - 100
+    updates = q.take_service_updates()
+    assert updates.served == {"a": 150.0}
+    assert updates.floors == {"b": 50.0}
+    assert not q.take_service_updates()
+    assert a.tenant_id == "a"
+
+
+def test_a_worker_orders_by_the_pools_counters():
+    # a and b both wait at worker 2; worker 1 serves a a lot meanwhile. Once worker 2 has
+    # synced with the pool it serves b first, where counters of its own would alternate.
+    from bench.scenario_driver import PoolCounters
+
+    pool, worker_1, worker_2 = PoolCounters(), FairQueue(burst_tokens=0), FairQueue(burst_tokens=0)
+    _fill(worker_2, "a", 5)
+    _fill(worker_2, "b", 5)
+    worker_1.push(_seq("a"))
+    worker_1.served(worker_1.pop(), 5_000)
+    pool.sync(worker_1.take_service_updates())
+    worker_2.apply_pool_service(pool.sync(worker_2.take_service_updates()))
+    assert list(_serve(worker_2, 5).elements()).count("b") == 500
+
+
+def test_the_pools_counters_never_lower_a_tenants_own_and_lost_ones_are_sent_back():
+    q = FairQueue(burst_tokens=0)
+    q.push(_seq("a"))
+    q.served(q.pop(), 1_000)
+    q.take_service_updates()
+    q.apply_pool_service({"a": 400.0})  # a Redis that lost some of its data
+    assert q.tenants["a"].service == 1_000
+    q.apply_pool_service({})  # lost all of it
+    assert q.take_service_updates().floors == {"a": 1_000}
+
+
+def test_a_tenant_with_nothing_waiting_would_start_soon_when_it_is_needier_than_the_rest():
+    q = FairQueue(quantum_tokens=100, burst_tokens=0)
+    running = [_seq("flood") for _ in range(4)]
+    for seq in running:
+        q.push(seq)
+        q.served(q.pop(), 1_000)  # the flood fills the batch with 4,000 tokens of service
+    assert q.would_start_soon("new", running)  # never seen: it would be lifted and go first
+    q.push(light := _seq("light"))
+    q.served(q.pop(), 10)
+    assert light.tenant_id == "light"
+    assert q.would_start_soon("light", running)  # far below the flood: it displaces it
+    q.push(_seq("light"))
+    assert not q.would_start_soon("light", running)  # has one waiting already
+    _fill(q, "flood", 2)
+    assert not q.would_start_soon("flood", running)  # has some waiting
+
+
+def test_a_tenant_within_a_quantum_waits_for_a_free_place_behind_the_neediest():
+    q = FairQueue(quantum_tokens=100, burst_tokens=0)
+    service = {"a": 1_000, "b": 950, "c": 1_020}
+    for tenant in service:
+        q.push(_seq(tenant))  # all level at 0
+    running = [q.pop() for _ in service]
+    _fill(q, "b", 1)  # b waits
+    for seq in running:
+        q.served(seq, service[seq.tenant_id])
+    assert not q.would_start_soon("a", running)  # 1,000: neither displaces nor goes next
+    assert not q.would_start_soon("c", running)
+    q.pop()
+    assert q.would_start_soon("a", running)  # nothing waits: a would take the next place

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from worker.fair_queue import DEFAULT_QUANTUM_TOKENS, FairQueue, FifoQueue
+from worker.fair_queue import DEFAULT_QUANTUM_TOKENS, FairQueue, FifoQueue, ServiceUpdates
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.runner import model_runner
@@ -38,6 +39,7 @@ class EngineConfig:
     kv_cache_gb: float | None = (
         None  # KV pool size; None: 2 GB on CPU, a fraction of free GPU memory
     )
+    num_kv_blocks: int | None = None  # the KV pool in blocks, overriding kv_cache_gb
     gpu_memory_fraction: float = 0.85
     queueing: str = "fair"  # continuous batching: "fair" (tenants, tiers) | "fifo" (baseline)
     # Fault injection for the chaos tests: a model step whose input holds this token id fails.
@@ -53,10 +55,12 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         return StaticBatchEngine(loaded, max_batch_size=config.max_batch_size)
     if config.batching != "continuous":
         raise ValueError(f"unknown batching mode {config.batching!r}")
-    kv_bytes = model_runner.kv_cache_budget_bytes(
-        loaded, config.kv_cache_gb, config.gpu_memory_fraction
-    )
-    num_blocks = model_runner.num_blocks_for_budget(loaded, kv_bytes, config.block_size)
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        kv_bytes = model_runner.kv_cache_budget_bytes(
+            loaded, config.kv_cache_gb, config.gpu_memory_fraction
+        )
+        num_blocks = model_runner.num_blocks_for_budget(loaded, kv_bytes, config.block_size)
     runner = ModelRunner(loaded, num_blocks, config.block_size)
     runner.fault_token_id = config.fault_token_id
     return ContinuousBatchingEngine(build_scheduler(config, num_blocks), runner)
@@ -87,6 +91,16 @@ class Engine(Protocol):
 
     def num_free_slots(self) -> int: ...
     def num_waiting_by_tenant(self) -> Counter[str]: ...
+    def would_start_soon(self, tenant_id: str) -> bool:
+        """Whether a new request of `tenant_id` would start at once or at the next free
+        place though the batch is full (`FairQueue.would_start_soon`)."""
+        ...
+
+    def take_service_updates(self) -> ServiceUpdates:
+        """Tenants' service since the last call, for the pool's counters."""
+        ...
+
+    def apply_pool_service(self, counters: Mapping[str, float]) -> None: ...
     def unstarted_request_ids(self) -> list[str]:
         """Waiting requests that have produced nothing yet: safe to hand to another worker."""
         ...
@@ -130,6 +144,15 @@ class StaticBatchEngine:
 
     def num_waiting_by_tenant(self) -> Counter[str]:
         return Counter(seq.tenant_id for seq in self._waiting)
+
+    def would_start_soon(self, tenant_id: str) -> bool:
+        return False  # a static batch runs to its end
+
+    def take_service_updates(self) -> ServiceUpdates:
+        return ServiceUpdates()
+
+    def apply_pool_service(self, counters: Mapping[str, float]) -> None:
+        pass  # arrival order
 
     def unstarted_request_ids(self) -> list[str]:
         return [seq.request_id for seq in self._waiting]
@@ -202,6 +225,15 @@ class ContinuousBatchingEngine:
 
     def num_waiting_by_tenant(self) -> Counter[str]:
         return Counter(seq.tenant_id for seq in self.scheduler.waiting)
+
+    def would_start_soon(self, tenant_id: str) -> bool:
+        return self.scheduler.would_start_soon(tenant_id)
+
+    def take_service_updates(self) -> ServiceUpdates:
+        return self.scheduler.waiting.take_service_updates()
+
+    def apply_pool_service(self, counters: Mapping[str, float]) -> None:
+        self.scheduler.waiting.apply_pool_service(counters)
 
     def unstarted_request_ids(self) -> list[str]:
         return [seq.request_id for seq in self.scheduler.waiting if not seq.num_output_tokens]

@@ -1,74 +1,76 @@
 """Which waiting sequence enters the batch next: weighted deficit round-robin over tenants,
-charged in tokens, with strict priority between tiers.
+charged in tokens, with strict priority between tiers, on one account of service per tenant
+that every worker of the pool shares.
 
 Plain Python, no torch, no I/O. The scheduler asks `peek()` whenever it has room, takes the
-sequence with `pop()`, and charges every token it computes to the sequence's tenant.
+sequence with `pop()`, charges a sequence's tokens when it admits it and counts every token
+computed as served.
 
-The algorithm (DRR, Shreedhar & Varghese 1995, charged after the fact in tokens as in VTC,
-Sheng et al., OSDI'24):
+One counter per tenant orders everything (VTC's virtual counter, Sheng et al., OSDI'24):
 
-- Each tenant has a FIFO of waiting sequences (a preempted sequence goes back to the front of
-  its own tenant's queue) and a *deficit*: the tokens it may still start work against.
-- Only the highest tier that has anything waiting is served: higher tiers win contested
-  admission. Within that tier, tenants whose deficit is positive are eligible, visited
-  round-robin; after each pick the pointer moves on, so tenants interleave request by request.
-- When no waiting tenant of the tier has a positive deficit, a round begins: each of them
-  gains `quantum_tokens * weight` (as many rounds at once as it takes for one to become
-  eligible). Tenants with nothing waiting gain nothing: credit never accrues while idle.
-- Charges: a sequence's tokens to (re)compute when it is started (its prompt, or its prompt
-  and output so far after a preemption: recompute is charged) and one token per decode step.
-  Charges apply whether or not the tenant is waiting, so a tenant with many running
-  sequences falls behind one that waits.
-- Each tenant also has VTC's virtual counter: the tokens it has had *computed* (`served`),
-  per unit of weight. Counters only grow.
-- A tenant that starts waiting is placed against its competition (the tenants waiting in
-  its tier or, none waiting, the tenant that last stopped waiting), VTC's lift: its counter
-  is lifted to at most `burst_tokens` (default four quanta) below the least-served
-  competitor's, and its deficit is set to the competition's highest level (deficit per unit
-  of weight) plus how far its counter is below that competitor's (credit, at most the burst
-  allowance) or less how far it is beyond it (debt). So staying away earns at most a burst
-  of service ahead of the others (a light tenant's few prompts in a row go first, as they
-  would on an idle machine), using idle capacity is not punished, and it keeps no debt that
-  its service does not show. Backlogged tenants never start waiting, so the allowance does
-  not touch their shares. Deficits alone would keep such debt: a light tenant whose requests
-  all run is charged for each decode with no quantum to set against it (nothing of it
-  waits), while a flooding tenant, always waiting, is refilled every round, so the light
-  tenant's next request would queue behind the flood (docs/benchmarks.md). It is visited
-  next, ahead of the backlogged tenants' next turn: a light tenant's request does not queue
-  behind a heavy tenant's round.
+- `service`: the tokens computed for the tenant (prompt chunks, decodes, recompute after a
+  preemption) per unit of its weight. In a pool of workers it is the pool's counter
+  (`worker/pool_service.py`): every worker adds what it computes and reads back what the
+  others did, once a step, so the shares hold for the pool as a whole, whichever worker
+  serves whom. Counters only grow.
+- *Charged ahead*: tokens charged at admission and not computed yet (the rest of an admitted
+  prompt, on this worker; given back if the sequence is preempted or ends first). A prompt
+  counts from its admission, so a tenant cannot be admitted again and again within a step,
+  or while its long prompt is being prefilled chunk by chunk.
 
-One exception to the round-robin: a waiting tenant a quantum or more below the next
-tenant's counter goes first, whatever its deficit (the rule `may_displace` applies to running
-work). Tenants within a quantum of each other, as backlogged tenants are, take their DRR
-turns, so the rounds set their shares; a light tenant whose second prompt arrives while its
-first waits, its deficit spent on the first, no longer waits for the round-robin's next turn
-behind a flood's new prompts (docs/benchmarks.md).
+Admission (`peek`/`pop`) is weighted deficit round-robin (DRR, Shreedhar & Varghese 1995) in
+tokens, its deficits read off the counters: only the highest tier with anything waiting is
+served (higher tiers win contested admission); within it, the tenants waiting are visited
+round-robin (after each pick the tenant goes to the back, so tenants interleave request by
+request), and a tenant is eligible while its counter (`service + charged ahead / weight`) is
+below the round's line, its deficit per unit of weight being how far below. When none is
+below, the next round begins: the line moves to the next multiple of `quantum_tokens` above
+the least counter. So in each round every backlogged tenant gets a quantum per unit of
+weight; tenants with nothing waiting gain nothing (credit never accrues while idle); a
+tenant whose many running sequences keep decoding falls behind one that waits; and since
+the deficits are the pool's counters, they are one account for the whole pool rather than
+one per worker.
+
+A tenant that starts waiting is placed against its competition (the tenants waiting in its
+tier or, none waiting, the tenant that last stopped waiting), VTC's lift: its counter is
+lifted to at most `burst_tokens` (default four quanta) below the least-served competitor's.
+Staying away earns at most a burst of service ahead of the others (a light tenant's few
+prompts in a row go first, as they would on an idle machine, ahead of the backlogged
+tenants' next turns), using idle capacity is not punished, and backlogged tenants, which
+never start waiting, keep their shares.
 
 It is work-conserving: whenever any sequence waits, `peek()` returns one.
 
 When the batch is full, `neediest()` (the head of the waiting tenant with the highest tier
 and the least service) may displace running work that `may_displace` allows: a lower tier's,
 or another tenant's at least a quantum beyond it in service (the scheduler preempts it).
+`would_start_soon` tells the worker's intake which tenants' requests would start at once (by
+displacing) or at the next free place (the least served), so that it takes them even with
+the batch full, and only those. Tenants the counters keep within a quantum of each other do
+not preempt each other.
 
 The order of work *within* a step (`step_priority`: decodes, the next chunk of an admitted
-prompt, and the admission of the next waiting sequence) follows the counters: the least
+prompt, and the admission of the next waiting sequence) follows the counters too: the least
 served tenant first, and within a tenant decodes before prefill work. A light tenant's
-prompts, up to its burst allowance, thus go before a flood's decodes and chunks. The
-deficit cannot order this work: it is charged a whole prompt at admission, and it measures credit against
-rounds rather than service received. One exception: the running work of a tenant whose
-prompt is part-way through its prefill counts one quantum less service, so a started prompt
-finishes before the new prompts of tenants within a quantum of its own, as in VTC, where a
-prompt admitted is prefilled at once. Without it, two light tenants leapfrog: each chunk
-computed lifts its tenant's counter above the other's, whose next prompt then goes first,
-and the first prompt's last tokens wait a step or two (docs/benchmarks.md). A tenant a
-quantum or more below still goes first (a light tenant's prompt before a flood's chunks).
+prompts, up to its burst allowance, thus go before a flood's decodes and chunks. One
+exception: the running work of a tenant whose prompt is part-way through its prefill counts
+one quantum less service, so a started prompt finishes before the new prompts of tenants
+within a quantum of its own, as in VTC, where a prompt admitted is prefilled at once.
+Without it, two light tenants leapfrog: each chunk computed lifts its tenant's counter above
+the other's, whose next prompt then goes first, and the first prompt's last tokens wait a
+step or two (docs/benchmarks.md). A tenant a quantum or more below still goes first (a light
+tenant's prompt before a flood's chunks).
+
+Before session 7 each worker kept deficits of its own, refilled by rounds and set from the
+counters when a tenant started waiting, with two exceptions for tenants a quantum behind;
+deficits read off shared counters replace all of that (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,8 +88,16 @@ class WaitingQueue(Protocol):
     def peek(self) -> Sequence | None: ...
     def pop(self) -> Sequence: ...
     def remove(self, seq: Sequence) -> None: ...
-    def charge(self, seq: Sequence, num_tokens: int) -> None: ...
-    def served(self, seq: Sequence, num_tokens: int) -> None: ...
+    def charge(self, seq: Sequence, num_tokens: int) -> None:
+        """Tokens of `seq` to compute (at admission: its prompt, or everything again after a
+        preemption), charged before they are computed; negative: a refund of tokens
+        charged that will not be computed (the sequence was preempted or ended)."""
+        ...
+
+    def served(self, seq: Sequence, num_tokens: int) -> None:
+        """Tokens computed for `seq` (a prompt chunk, recompute or decode)."""
+        ...
+
     def priority(self, seq: Sequence) -> tuple:
         """Sort key of waiting sequences: smaller goes first."""
         ...
@@ -104,22 +114,49 @@ class WaitingQueue(Protocol):
         """Whether waiting `seq` may preempt running `victim` to be admitted."""
         ...
 
+    def would_start_soon(self, tenant_id: str, running: list[Sequence]) -> bool:
+        """Whether a new request of `tenant_id`, which has nothing waiting, would start at
+        once or at the next free place: the worker's intake then takes it even with the
+        batch full."""
+        ...
+
+    def take_service_updates(self) -> ServiceUpdates:
+        """The service computed (and the lifts made) since the last call, for the pool."""
+        ...
+
+    def apply_pool_service(self, counters: Mapping[str, float]) -> None:
+        """The pool's service counters (`worker/pool_service.py`), as of the last sync."""
+        ...
+
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Sequence]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceUpdates:
+    """What a worker's fair queue changed in its tenants' service counters since it last
+    synced with the pool (`worker/pool_service.py`): tokens computed per unit of weight,
+    to add, and lifts, counters to raise to at least a value."""
+
+    served: dict[str, float] = field(default_factory=dict)
+    floors: dict[str, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.served or self.floors)
 
 
 @dataclass(slots=True)
 class TenantState:
     tier: int
     weight: int
-    deficit: float = 0.0
     service: float = 0.0  # VTC counter: tokens computed per unit of weight, lifted
+    num_charged_ahead: int = 0  # tokens charged, not computed yet
     waiting: deque[Sequence] = field(default_factory=deque)
 
     @property
-    def level(self) -> float:
-        """Deficit per unit of weight: how far ahead of its share the tenant may run."""
-        return self.deficit / self.weight
+    def counter(self) -> float:
+        """What admission orders by: service, and what is charged ahead of it."""
+        return self.service + self.num_charged_ahead / self.weight
 
 
 class FairQueue:
@@ -135,11 +172,16 @@ class FairQueue:
         if self.burst_tokens < 0:
             raise ValueError("burst_tokens must not be negative")
         self.tenants: dict[str, TenantState] = {}
-        # Waiting tenants per tier, in round-robin order: the head is visited next.
+        # Waiting tenants per tier, in round-robin order (ties between counters).
         self._rings: dict[int, deque[str]] = {}
         self._last_left: str | None = None
         self._num_waiting = 0
         self.num_tokens_charged: Counter[str] = Counter()
+        # Pool-wide counters (module docstring): the pool's last word, and what changed here
+        # since the last sync.
+        self._pool_service: dict[str, float] = {}
+        self._served_since_sync: Counter[str] = Counter()
+        self._floors_since_sync: dict[str, float] = {}
 
     def __len__(self) -> int:
         return self._num_waiting
@@ -161,7 +203,7 @@ class FairQueue:
         return None if tenant_id is None else self.tenants[tenant_id].waiting[0]
 
     def pop(self) -> Sequence:
-        """Take the sequence `peek()` returned; the round-robin pointer moves past its tenant."""
+        """Take the sequence `peek()` returned; its tenant goes to the back of the ring."""
         tenant_id = self._next_tenant()
         if tenant_id is None:
             raise IndexError("pop from an empty FairQueue")
@@ -173,7 +215,7 @@ class FairQueue:
         if tenant.waiting:
             ring.append(tenant_id)
         else:
-            self._stop_waiting(tenant_id)
+            self._last_left = tenant_id
         return seq
 
     def remove(self, seq: Sequence) -> None:
@@ -183,18 +225,36 @@ class FairQueue:
         self._num_waiting -= 1
         if not tenant.waiting:
             self._rings[tenant.tier].remove(seq.tenant_id)
-            self._stop_waiting(seq.tenant_id)
+            self._last_left = seq.tenant_id
 
     def charge(self, seq: Sequence, num_tokens: int) -> None:
-        """Charge tokens computed for `seq` (prefill, recompute or decode) to its tenant."""
-        self._tenant(seq).deficit -= num_tokens
+        tenant = self._tenant(seq)
+        tenant.num_charged_ahead = max(0, tenant.num_charged_ahead + num_tokens)
         self.num_tokens_charged[seq.tenant_id] += num_tokens
 
     def served(self, seq: Sequence, num_tokens: int) -> None:
-        """Count tokens computed for `seq` (a prompt chunk, recompute or decode) in its
-        tenant's virtual counter."""
         tenant = self._tenant(seq)
         tenant.service += num_tokens / tenant.weight
+        tenant.num_charged_ahead = max(0, tenant.num_charged_ahead - num_tokens)
+        self._served_since_sync[seq.tenant_id] += num_tokens / tenant.weight
+
+    def take_service_updates(self) -> ServiceUpdates:
+        updates = ServiceUpdates(dict(self._served_since_sync), self._floors_since_sync)
+        self._served_since_sync = Counter()
+        self._floors_since_sync = {}
+        return updates
+
+    def apply_pool_service(self, counters: Mapping[str, float]) -> None:
+        """Take the pool's counters, plus what was computed here since they were read.
+        Counters never go down; one the pool has lost (a Redis without its data) is
+        sent back as a floor at the next sync."""
+        self._pool_service = dict(counters)
+        for tenant_id, tenant in self.tenants.items():
+            if tenant_id in counters:
+                pool_view = counters[tenant_id] + self._served_since_sync[tenant_id]
+                tenant.service = max(tenant.service, pool_view)
+            else:
+                self._raise_floor(tenant_id, tenant.service)
 
     def priority(self, seq: Sequence) -> tuple[int, float, bool, float]:
         """Higher tier, then the tenant with the least computed service per unit of weight;
@@ -227,11 +287,35 @@ class FairQueue:
         weight is at least a quantum beyond `seq`'s. A tenant that starts waiting is lifted
         to a burst below its competition, so it displaces a flood at once; tenants that
         the counters keep within a quantum of each other do not preempt each other."""
-        if seq.tier != victim.tier:
-            return seq.tier > victim.tier
-        if seq.tenant_id == victim.tenant_id:
+        return self._may_displace(seq.tenant_id, seq.tier, self._service(seq), victim)
+
+    def would_start_soon(self, tenant_id: str, running: list[Sequence]) -> bool:
+        """Whether a new request of `tenant_id`, which has nothing waiting here, would
+        start at once or at the next free place: it could displace some of `running` once
+        lifted against its competition, or it would be the least served of the tenants
+        waiting. True for a tenant never seen here (its tier is not known yet)."""
+        tenant = self.tenants.get(tenant_id)
+        if tenant is None:
+            return True
+        if tenant.waiting:
             return False
-        return self._is_a_quantum_behind(self._service(seq), self._service(victim))
+        service = max(tenant.service, self._lift_floor(tenant_id, tenant.tier))
+        if any(self._may_displace(tenant_id, tenant.tier, service, v) for v in running):
+            return True
+        waiting_tiers = [tier for tier, ring in self._rings.items() if ring]
+        if not waiting_tiers or max(waiting_tiers) < tenant.tier:
+            return True  # the next admitted
+        if max(waiting_tiers) > tenant.tier:
+            return False
+        counter = service + tenant.num_charged_ahead / tenant.weight
+        return counter <= min(self.tenants[t].counter for t in self._rings[tenant.tier])
+
+    def _may_displace(self, tenant_id: str, tier: int, service: float, victim: Sequence) -> bool:
+        if tier != victim.tier:
+            return tier > victim.tier
+        if tenant_id == victim.tenant_id:
+            return False
+        return self._service(victim) - service >= self.quantum_tokens
 
     def _service(self, seq: Sequence) -> float:
         tenant = self.tenants.get(seq.tenant_id)
@@ -250,59 +334,58 @@ class FairQueue:
     def _tenant(self, seq: Sequence) -> TenantState:
         tenant = self.tenants.get(seq.tenant_id)
         if tenant is None:
-            tenant = self.tenants[seq.tenant_id] = TenantState(seq.tier, seq.weight)
+            service = self._pool_service.get(seq.tenant_id, 0.0)
+            tenant = TenantState(seq.tier, seq.weight, service=service)
+            self.tenants[seq.tenant_id] = tenant
         elif not tenant.waiting:
             # Tier and weight may change between requests (an operator updated the tenant).
             tenant.tier, tenant.weight = seq.tier, seq.weight
         return tenant
 
     def _start_waiting(self, tenant_id: str, tenant: TenantState) -> None:
-        """Lift the counter and set the deficit of a tenant that starts waiting against its
-        competition (module docstring); it is visited next."""
-        ring = self._rings.setdefault(tenant.tier, deque())
-        competitors = [self.tenants[t] for t in ring]
+        """Lift the counter of a tenant that starts waiting against its competition (module
+        docstring); among equal counters it goes first."""
+        floor = self._lift_floor(tenant_id, tenant.tier)
+        if floor > tenant.service:
+            tenant.service = floor
+            self._raise_floor(tenant_id, floor)
+        self._rings.setdefault(tenant.tier, deque()).appendleft(tenant_id)
+
+    def _competitors(self, tenant_id: str, tier: int) -> list[TenantState]:
+        """Whom a tenant that starts waiting is placed against: the tenants waiting in its
+        tier or, none waiting, the tenant that last stopped waiting."""
+        competitors = [self.tenants[t] for t in self._rings.get(tier, ())]
         if not competitors and self._last_left not in (None, tenant_id):
             competitors = [self.tenants[self._last_left]]
-        if competitors:
-            floor = min(t.service for t in competitors)
-            tenant.service = max(tenant.service, floor - self.burst_tokens)
-            # Its service beyond the floor is debt; below it (a burst allowance), credit.
-            behind = floor - tenant.service
-            tenant.deficit = (max(t.level for t in competitors) + behind) * tenant.weight
-        ring.appendleft(tenant_id)
+        return competitors
 
-    def _stop_waiting(self, tenant_id: str) -> None:
-        self._last_left = tenant_id
+    def _lift_floor(self, tenant_id: str, tier: int) -> float:
+        """The least service a tenant that starts waiting now is lifted to."""
+        competitors = self._competitors(tenant_id, tier)
+        return min((t.service for t in competitors), default=-math.inf) - self.burst_tokens
+
+    def _raise_floor(self, tenant_id: str, service: float) -> None:
+        self._floors_since_sync[tenant_id] = max(
+            service, self._floors_since_sync.get(tenant_id, -math.inf)
+        )
 
     def _next_tenant(self) -> str | None:
+        """Weighted deficit round-robin on the counters (module docstring): in the highest
+        tier with anything waiting, the first tenant in ring order whose counter is below
+        the round's line."""
         tier = max((tier for tier, ring in self._rings.items() if ring), default=None)
         if tier is None:
             return None
         ring = self._rings[tier]
-        eligible = [t for t in ring if self.tenants[t].deficit > 0]
-        if not eligible:
-            self._start_rounds(ring)
-            eligible = [t for t in ring if self.tenants[t].deficit > 0]
-        head = eligible[0]  # the ring's order: the first eligible after the pointer
-        neediest = self.neediest().tenant_id  # of this tier: the highest with anything waiting
-        if self._is_a_quantum_behind(self.tenants[neediest].service, self.tenants[head].service):
-            return neediest  # before the round's turn
-        return head
+        counters = [self.tenants[t].counter for t in ring]
+        line = self._round_line(min(counters))
+        return next(t for t, counter in zip(ring, counters, strict=True) if counter < line)
 
-    def _is_a_quantum_behind(self, service: float, other: float) -> bool:
-        """The rule for going before another tenant's turn or running work: a quantum or
-        more less service per unit of weight."""
-        return other - service >= self.quantum_tokens
-
-    def _start_rounds(self, ring: deque[str]) -> None:
-        """Add as many rounds of quantum * weight as it takes for one waiting tenant to become
-        eligible (deficit > 0), all at once."""
-        states = [self.tenants[t] for t in ring]
-        num_rounds = min(
-            math.floor(-t.deficit / (self.quantum_tokens * t.weight)) + 1 for t in states
-        )
-        for t in states:
-            t.deficit += num_rounds * self.quantum_tokens * t.weight
+    def _round_line(self, least_counter: float) -> float:
+        """The current round's line: the next multiple of the quantum above the least
+        counter of the tenants waiting. A tenant's deficit, per unit of weight, is how far
+        its counter is below it; a round ends when none is below, and the next begins."""
+        return (math.floor(least_counter / self.quantum_tokens) + 1) * self.quantum_tokens
 
 
 class FifoQueue:
@@ -355,6 +438,15 @@ class FifoQueue:
 
     def may_displace(self, seq: Sequence, victim: Sequence) -> bool:
         return False
+
+    def would_start_soon(self, tenant_id: str, running: list[Sequence]) -> bool:
+        return False  # FIFO waits for room
+
+    def take_service_updates(self) -> ServiceUpdates:
+        return ServiceUpdates()
+
+    def apply_pool_service(self, counters: Mapping[str, float]) -> None:
+        pass  # arrival order needs no account of service
 
 
 def _is_prefill(seq: Sequence) -> bool:

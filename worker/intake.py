@@ -1,12 +1,24 @@
 """Worker intake: read the model's tenant streams through the `workers` consumer group.
 
 A worker pulls only what it can start soon, so that it never hoards work another worker
-could serve, yet its fair queue sees every waiting tenant: when it has `n` free places it
-reads up to ceil(n / number of tenant streams) entries from each stream, skipping tenants
-that already have that many waiting in the worker. So it holds at most one entry per tenant
-beyond what it has room for, and the fair queue, not the stream order, decides who starts.
-A FIFO worker (the baseline) instead reads up to `n` entries from every stream and starts
-them in arrival order.
+could serve, yet its fair queue sees every waiting tenant (`plan_pull`): when it has `n`
+free places it reads up to ceil(n / number of tenant streams) entries from each stream,
+skipping tenants that already have that many waiting in the worker. With no free place, it
+still reads the head of each stream whose tenant has nothing waiting here and would start
+soon: at once, by displacing running work (a higher tier, or a tenant a quantum behind a
+running one's service), or at the next free place, being the least served of the tenants
+waiting (`FairQueue.would_start_soon`). So a tenant that arrives while another's burst fills
+the batch starts within a step or two instead of after the burst's first wave, and the
+pool's shares hold whichever worker holds whose requests. It holds at most one entry per
+tenant beyond what it has room for, each one it would start next, and the fair queue, not
+the stream order, decides who starts. A FIFO worker (the baseline) instead reads up to `n`
+entries from every stream and starts them in arrival order.
+
+A worker may prefer some tenants (`--prefer-tenants`, tenant affinity: for instance to keep
+their prompts' prefixes in its cache): while busy, it fills its free places from their
+streams first and reads the others' by the same rule with the places left. Affinity moves
+where a tenant is served, not how much: the pool's service counters
+(`worker/pool_service.py`) keep every tenant's share of the pool.
 
 An entry is acknowledged (and deleted: the stream is a queue, and it holds prompt tokens)
 only after the request's usage is committed to SQL; until then it stays in the group's
@@ -18,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -38,28 +51,74 @@ class StreamEntry:
     request: QueuedRequest
 
 
+def plan_pull(
+    num_free: int,
+    tenants: list[str],
+    num_waiting: Mapping[str, int],
+    would_start_soon: Callable[[str], bool],
+    *,
+    is_fair: bool = True,
+) -> tuple[int, list[str]]:
+    """How many entries to read from each of which tenants' streams (module docstring):
+    `num_free` places, `num_waiting` entries each tenant already has waiting here."""
+    if not is_fair:
+        return num_free, list(tenants) if num_free else []
+    if num_free:
+        count = math.ceil(num_free / max(1, len(tenants)))
+        return count, [t for t in tenants if num_waiting.get(t, 0) < count]
+    return 1, [t for t in tenants if not num_waiting.get(t, 0) and would_start_soon(t)]
+
+
 class Intake:
     def __init__(
-        self, redis: aioredis.Redis, model: str, consumer: str, *, is_fair: bool = True
+        self,
+        redis: aioredis.Redis,
+        model: str,
+        consumer: str,
+        *,
+        is_fair: bool = True,
+        preferred_tenants: frozenset[str] = frozenset(),
     ) -> None:
         self._redis = redis
         self._model = model
         self._consumer = consumer
         self._is_fair = is_fair
+        self._preferred = preferred_tenants
         self._streams_with_group: set[str] = set()
 
     async def pull(
-        self, max_count: int, block_ms: int | None, num_waiting: Mapping[str, int]
+        self,
+        num_free: int,
+        block_ms: int | None,
+        num_waiting: Mapping[str, int],
+        would_start_soon: Callable[[str], bool] = lambda tenant: False,
     ) -> list[StreamEntry]:
-        """New entries for about `max_count` free places, spread over the tenants' streams
-        (`num_waiting`: entries each tenant already has waiting in this worker); waits up to
-        `block_ms` when there are none."""
+        """New entries for about `num_free` free places, spread over the tenants' streams,
+        and heads that would start soon (`plan_pull`); the preferred tenants' first while
+        busy. Waits up to `block_ms` when there are none."""
         streams = await self._streams()
-        if self._is_fair:
-            count = math.ceil(max_count / max(1, len(streams)))
-            wanted = [s for tenant, s in streams.items() if num_waiting.get(tenant, 0) < count]
-        else:
-            count, wanted = max_count, list(streams.values())
+        preferred = [t for t in streams if t in self._preferred]
+        if block_ms is not None or not preferred:  # idle: room for everyone
+            return await self._read(streams, list(streams), num_free, num_waiting,
+                                    would_start_soon, block_ms)  # fmt: skip
+        entries = await self._read(streams, preferred, num_free, num_waiting, would_start_soon)
+        waiting = Counter(num_waiting) + Counter(e.request.tenant_id for e in entries)
+        others = [t for t in streams if t not in self._preferred]
+        num_left = max(0, num_free - len(entries))
+        return entries + await self._read(streams, others, num_left, waiting, would_start_soon)
+
+    async def _read(
+        self,
+        streams: dict[str, str],
+        tenants: list[str],
+        num_free: int,
+        num_waiting: Mapping[str, int],
+        would_start_soon: Callable[[str], bool],
+        block_ms: int | None = None,
+    ) -> list[StreamEntry]:
+        count, wanted = plan_pull(
+            num_free, tenants, num_waiting, would_start_soon, is_fair=self._is_fair
+        )
         if not wanted:
             if block_ms:
                 await asyncio.sleep(block_ms / 1000)
@@ -67,7 +126,7 @@ class Intake:
         reply = await self._redis.xreadgroup(
             keys.WORKER_GROUP,
             self._consumer,
-            {stream: ">" for stream in wanted},
+            {streams[tenant]: ">" for tenant in wanted},
             count=count,
             block=block_ms,
         )

@@ -101,6 +101,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def would_start_soon(self, tenant_id: str) -> bool:
+        """Whether a new request of `tenant_id` would start at once (displacing running
+        work) or at the next free place: the intake then takes it even when the batch is
+        full (`FairQueue.would_start_soon`)."""
+        return self.waiting.would_start_soon(tenant_id, self.running)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -298,6 +304,7 @@ class Scheduler:
         to be recomputed."""
         self.running.remove(seq)
         self.kv_cache.free(seq)
+        self._refund(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_charged_tokens = 0  # recompute is charged again
@@ -349,8 +356,16 @@ class Scheduler:
             self.waiting.charge(seq, num_tokens_until - seq.num_charged_tokens)
             seq.num_charged_tokens = num_tokens_until
 
+    def _refund(self, seq: Sequence) -> None:
+        """Give back what was charged for `seq` and will not be computed (the rest of its
+        prompt, when it is preempted or ends part-way through)."""
+        if seq.num_charged_tokens > seq.num_computed_tokens:
+            self.waiting.charge(seq, seq.num_computed_tokens - seq.num_charged_tokens)
+            seq.num_charged_tokens = seq.num_computed_tokens
+
     def _release(self, seq: Sequence) -> None:
         self.kv_cache.free(seq)
+        self._refund(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif any(waiting is seq for waiting in self.waiting):

@@ -31,6 +31,7 @@ from shared.tables import ModelDeployment
 from worker import telemetry
 from worker.engine import EngineConfig, build_engine
 from worker.intake import Intake, StreamEntry
+from worker.pool_service import PoolService
 from worker.publisher import Publisher
 from worker.recovery import Reclaimer
 from worker.sequence import Sequence
@@ -38,6 +39,7 @@ from worker.sequence import Sequence
 log = logging.getLogger("llmfleet.worker")
 
 MAX_REMEMBERED_CANCELS = 10_000
+FAIRNESS_SCOPES = ("pool", "worker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,14 @@ class WorkerConfig:
     dtype: str = "auto"
     metrics_port: int = 0  # the worker's Prometheus /metrics; 0: none
     metrics_host: str = "127.0.0.1"
+    # Fair queuing's service counters: shared by the model's workers through Redis
+    # (`worker/pool_service.py`), or each worker's own.
+    fairness_scope: str = "pool"
+    preferred_tenants: frozenset[str] = frozenset()  # tenant affinity (`worker/intake.py`)
+
+
+def is_fair(config: EngineConfig) -> bool:
+    return config.batching == "continuous" and config.queueing == "fair"
 
 
 class Worker:
@@ -87,9 +97,13 @@ class Worker:
             engine, tokenizer, eos_token_ids = await self._on_engine_thread(self._load)
             engine = telemetry.observe(engine, self._deployment.model_id, self._config.engine)
             self._engine = engine
-            engine_config = self._config.engine
-            is_fair = engine_config.batching == "continuous" and engine_config.queueing == "fair"
-            intake = Intake(redis, self._deployment.model_id, self.worker_id, is_fair=is_fair)
+            intake = Intake(
+                redis,
+                self._deployment.model_id,
+                self.worker_id,
+                is_fair=is_fair(self._config.engine),
+                preferred_tenants=self._config.preferred_tenants,
+            )
             journal = Journal(redis, self._settings.journal_ttl_s)
             publisher = Publisher(
                 redis, intake, journal, self.worker_id, self._settings.broker_retry_s
@@ -111,7 +125,8 @@ class Worker:
             self._state = "ready"
             log.info("worker %s ready for %s", self.worker_id, self._deployment.model_id)
             try:
-                await self._loop(engine, intake, publisher, tokenizer, eos_token_ids)
+                pool = self._pool_service(redis)
+                await self._loop(engine, intake, publisher, pool, tokenizer, eos_token_ids)
                 await self._end_unfinished(redis, journal, publisher, engine)
             finally:
                 cancels.cancel()
@@ -123,6 +138,12 @@ class Worker:
             await redis.zrem(keys.model_capacity(self._deployment.model_id), self.worker_id)
             await redis.aclose()
 
+    def _pool_service(self, redis: aioredis.Redis) -> PoolService | None:
+        """The pool's shared service counters, for a fair-queuing worker of pool scope."""
+        if is_fair(self._config.engine) and self._config.fairness_scope == "pool":
+            return PoolService(redis, self._deployment.model_id)
+        return None
+
     def _load(self):
         from worker.runner import loader
 
@@ -131,7 +152,7 @@ class Worker:
         tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
         return build_engine(loaded, self._config.engine), tokenizer, loaded.eos_token_ids
 
-    async def _loop(self, engine, intake, publisher, tokenizer, eos_token_ids) -> None:
+    async def _loop(self, engine, intake, publisher, pool, tokenizer, eos_token_ids) -> None:
         idle_ms = self._settings.worker_idle_poll_ms
         drain_deadline_s = math.inf
         # A step's outputs are published while the next step computes (publishes keep their
@@ -144,10 +165,9 @@ class Worker:
             if time.monotonic() > drain_deadline_s:
                 break  # `_end_unfinished` ends what is left
             entries, self._reclaimed = self._reclaimed, []
-            free = engine.num_free_slots()
-            if free and not self._stopping.is_set():
+            if not self._stopping.is_set():
                 block_ms = None if engine.has_work() or entries else idle_ms
-                entries += await self._pull(intake, free, block_ms, engine)
+                entries += await self._pull(intake, engine.num_free_slots(), block_ms, engine)
             for entry in entries:
                 if (flight := publisher.inflight.get(entry.request.request_id)) is not None:
                     if flight.entry.entry_id != entry.entry_id:
@@ -167,19 +187,33 @@ class Worker:
             if ended := engine.abort(aborted) + engine.expire(time.time()):
                 await publisher.publish(ended)
             if engine.has_work():
-                outputs = await self._on_engine_thread(engine.step)
+                outputs = await self._step(engine, pool)
                 if publishing is not None:
                     await publishing
                 publishing = publisher.publish(outputs)
+            elif pool is not None and (updates := engine.take_service_updates()):
+                await pool.sync(updates)  # the last step's service, once idle
         if publishing is not None:
             await publishing
+
+    async def _step(self, engine, pool: PoolService | None):
+        """One engine step; the pool's counters are synced while it computes (what the
+        step computes goes with the next sync) and applied once it is done."""
+        sync = pool and asyncio.create_task(pool.sync(engine.take_service_updates()))
+        outputs = await self._on_engine_thread(engine.step)
+        if sync is not None and (counters := await sync) is not None:
+            engine.apply_pool_service(counters)
+            engine.metrics.pool_sync_s.labels(self._deployment.model_id).observe(pool.last_sync_s)
+        return outputs
 
     async def _pull(self, intake: Intake, free: int, block_ms: int | None, engine):
         """New entries; none this turn while the broker is unreachable. (A pull whose reply
         was lost leaves entries pending here unseen: recovery serves them after the heartbeat
         timeout.)"""
         try:
-            return await intake.pull(free, block_ms, engine.num_waiting_by_tenant())
+            return await intake.pull(
+                free, block_ms, engine.num_waiting_by_tenant(), engine.would_start_soon
+            )
         except BROKER_ERRORS as exc:
             log.warning("pull failed: %s", exc)
             if not engine.has_work():

@@ -1,0 +1,139 @@
+"""Full-stack scenario runs: each run of a scenario on a platform of its own, started for it
+as `llmfleet up` starts one (embedded Redis, SQLite in a temporary home, the API, the
+control process) with the run's workers (`llmfleet worker` processes: as many as the run
+has, each with the run's queueing, fairness scope, KV pool and tenant affinity), and the
+workload sent over HTTP/SSE, each tenant with its own key. Everything is stopped and the
+home removed afterwards, so runs do not see each other's queues or counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+import redis
+
+from bench.client import run_http
+from bench.scenarios import Run, Scenario
+from bench.workload import TenantSpec
+from shared import deployments, keys, tenants
+from shared.db import create_schema, make_engine
+from shared.redis_server import free_port
+from shared.settings import Settings
+from shared.tenants import TenantLimits
+from shared.up import LocalStack, api_ready
+
+MODEL_ID = "bench"
+START_TIMEOUT_S = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    url: str
+    tenant_keys: dict[str, str]  # scenario tenant name -> API key
+
+
+def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
+    """Every run of `plan` over HTTP on a platform of its own serving `source` with the
+    engine settings of `base`; the results and durations by label."""
+    runs, durations = {}, {}
+    for planned in plan.runs:
+        if on_run is not None:
+            on_run(planned.label)
+        with platform(planned, plan.tenants, base, source, dtype) as started:
+            results, duration_s = asyncio.run(
+                run_http(
+                    started.url,
+                    "none",
+                    MODEL_ID,
+                    plan.workloads[planned.workload],
+                    tenant_keys=started.tenant_keys,
+                )
+            )
+        runs[planned.label], durations[planned.label] = results, duration_s
+    return runs, durations
+
+
+@contextmanager
+def platform(
+    run: Run, scenario_tenants: list[TenantSpec], base, source: str, dtype: str
+) -> Iterator[Platform]:
+    home = Path(tempfile.mkdtemp(prefix="llmfleet-bench-"))
+    port = free_port()
+    # Its own Redis and SQLite, whatever REDIS_URL or DATABASE_URL the caller has set.
+    settings = Settings(home_dir=home, api_port=port, REDIS_URL=None, DATABASE_URL=None)
+    # The children get the same: the embedded Redis on its socket, SQLite in the home.
+    env = {"REDIS_URL": settings.redis_url, "DATABASE_URL": settings.database_url}
+    stack = LocalStack(settings, env_overrides=env)
+    is_done = False
+    try:
+        stack.start_redis()
+        engine = make_engine(settings)
+        create_schema(engine)
+        deployments.register(engine, MODEL_ID, source)
+        ids, tenant_keys = {}, {}
+        for spec in run.tenants or scenario_tenants:
+            limits = TenantLimits(max_requests_in_flight=spec.max_requests_in_flight)
+            tenant = tenants.create_tenant(
+                engine, f"bench-{spec.name}", tier=spec.tier, weight=spec.weight, limits=limits
+            )
+            ids[spec.name] = tenant.id
+            tenant_keys[spec.name] = tenants.create_key(engine, tenant.id, settings.pepper)
+        engine.dispose()
+        stack.spawn("api", "api", "--port", str(port))
+        stack.spawn("control", "control")
+        for index in range(run.num_workers):
+            stack.spawn(f"worker-{index}", "worker", *_worker_args(run, index, ids, base, dtype))
+        _wait_ready(settings, run.num_workers, stack)
+        yield Platform(f"http://127.0.0.1:{port}", tenant_keys)
+        is_done = True
+    finally:
+        stack.stop()
+        if is_done:
+            shutil.rmtree(home, ignore_errors=True)  # else the logs stay, for the error
+
+
+def _worker_args(run: Run, index: int, ids: dict[str, str], base, dtype: str) -> list[str]:
+    config = dataclasses.replace(base, **run.engine)
+    args = [
+        "--model", MODEL_ID, "--metrics-port", "0", "--dtype", dtype,
+        "--queueing", run.queueing, "--fairness-scope", run.fairness_scope,
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--quantum-tokens", str(config.quantum_tokens),
+    ]  # fmt: skip
+    if config.burst_tokens is not None:
+        args += ["--burst-tokens", str(config.burst_tokens)]
+    if config.num_kv_blocks is not None:
+        args += ["--num-kv-blocks", str(config.num_kv_blocks)]
+    elif config.kv_cache_gb is not None:
+        args += ["--kv-cache-gb", str(config.kv_cache_gb)]
+    if run.affinity:
+        preferred = run.affinity[index % len(run.affinity)]
+        args += ["--prefer-tenants", ",".join(ids[name] for name in preferred)]
+    return args
+
+
+def _wait_ready(settings: Settings, num_workers: int, stack: LocalStack) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with closing(redis.Redis.from_url(settings.redis_url)) as client:
+        while time.monotonic() < deadline:
+            if any(child.poll() is not None for child in stack.children):
+                raise RuntimeError(f"a process exited; see the logs under {settings.home}/logs")
+            if _num_ready(client) == num_workers and api_ready(settings):
+                return
+            time.sleep(0.3)
+    raise RuntimeError(f"the platform did not start in {START_TIMEOUT_S} s")
+
+
+def _num_ready(client: redis.Redis) -> int:
+    states = [
+        client.hget(key, "state") for key in client.scan_iter(keys.worker_heartbeat_pattern())
+    ]
+    return sum(state == b"ready" for state in states)

@@ -1,0 +1,41 @@
+"""The pool's service counters in a real Redis: every worker adds what it computed and
+reads back everyone's, in one script; the Python rule the simulation uses agrees."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from shared import keys
+from worker.fair_queue import ServiceUpdates
+from worker.pool_service import PoolService, merge_service
+
+
+async def test_workers_add_their_service_and_lifts_only_raise_a_counter(aredis):
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    worker_1, worker_2 = PoolService(aredis, model), PoolService(aredis, model)
+    updates = [
+        (worker_1, ServiceUpdates({"a": 100.0, "b": 2.5}, {})),
+        (worker_2, ServiceUpdates({"a": 50.0}, {"c": 40.0})),
+        (worker_1, ServiceUpdates({}, {"c": 10.0, "b": 500.0})),  # c's floor is below: kept
+    ]
+    expected: dict[str, float] = {}
+    for worker, update in updates:
+        counters = await worker.sync(update)
+        merge_service(expected, update)
+        assert counters == pytest.approx(expected)
+    assert expected == {"a": 150.0, "b": 500.0, "c": 40.0}
+    assert await aredis.ttl(keys.tenant_service(model)) > 0
+
+
+async def test_updates_of_a_sync_that_failed_go_with_the_next(aredis, redis_server):
+    from shared.redis_conn import async_client
+
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    unreachable = async_client("redis://127.0.0.1:1", retries=0)
+    pool = PoolService(unreachable, model)
+    assert await pool.sync(ServiceUpdates({"a": 7.0}, {"b": 3.0})) is None
+    await unreachable.aclose()
+    pool._sync = PoolService(aredis, model)._sync  # the broker is back
+    assert await pool.sync(ServiceUpdates({"a": 1.0}, {})) == {"a": 8.0, "b": 3.0}
