@@ -94,16 +94,23 @@ class _Driver:
 
     def record(self, output: SequenceOutput, now: float) -> None:
         result = self.results[int(output.request_id)]
-        if output.num_new_tokens:
-            result.chunk_times_s.append(now)
-        result.num_prompt_tokens = output.num_prompt_tokens
-        result.num_output_tokens = output.num_output_tokens
+        record_output(result, output, now)
         if output.is_finished:
             self.num_in_flight[self.tenant_of[result.index]] -= 1
-            result.end_s = now
-            if output.error is not None:
-                result.is_ok, result.error = False, output.error.message
             self.advance()
+
+
+def record_output(result: RequestResult, output: SequenceOutput, now_s: float) -> None:
+    """What one engine output tells of its request, at `now_s`."""
+    if output.num_new_tokens:
+        result.chunk_times_s.append(now_s)
+    result.num_prompt_tokens = output.num_prompt_tokens
+    result.num_output_tokens = output.num_output_tokens
+    result.num_computed_tokens = output.num_computed_tokens
+    if output.is_finished:
+        result.end_s = now_s
+        if output.error is not None:
+            result.is_ok, result.error = False, output.error.message
 
 
 def run_engine(

@@ -25,7 +25,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from bench.client import RequestResult
-from bench.engine_direct import sequence_of
+from bench.engine_direct import record_output, sequence_of
 from bench.simulate import VirtualClock
 from bench.workload import RequestSpec, TenantSpec
 from worker.engine import Engine
@@ -166,17 +166,9 @@ class _Run:
             self.broker.put(sequence_of(spec, tenant, self.decoder, arrival_ts=arrival_s))
 
     def record(self, output: SequenceOutput, now_s: float) -> None:
-        result = self.results[int(output.request_id)]
-        if output.num_new_tokens:
-            result.chunk_times_s.append(now_s)
-        result.num_prompt_tokens = output.num_prompt_tokens
-        result.num_output_tokens = output.num_output_tokens
-        result.num_computed_tokens = output.num_computed_tokens
+        record_output(self.results[int(output.request_id)], output, now_s)
         if output.is_finished:
             self.num_in_flight[self.tenant_of[output.request_id]] -= 1
-            result.end_s = now_s
-            if output.error is not None:
-                result.is_ok, result.error = False, output.error.message
 
 
 def run_workers(
