@@ -50,15 +50,20 @@ def test_only_candidates_are_picked_but_shares_count_every_running_sequence():
     assert TenantAwarePreemption().pick_victim([a_small, b], [a_big, a_small, b]) is a_small
 
 
-def _fair_scheduler(*, quantum: int, max_num_seqs: int, budget: int, num_blocks: int):
+def _fair_scheduler(*, quantum: int, max_num_seqs: int, budget: int, num_blocks: int,
+                    num_displacement_places: int = 0):  # fmt: skip
     """Fair queuing and tenant-aware preemption over a pool of 4-token blocks."""
     return _scheduler(FairQueue(quantum_tokens=quantum), TenantAwarePreemption(),
-                      max_num_seqs=max_num_seqs, budget=budget, num_blocks=num_blocks)  # fmt: skip
+                      max_num_seqs=max_num_seqs, budget=budget, num_blocks=num_blocks,
+                      num_displacement_places=num_displacement_places)  # fmt: skip
 
 
-def _scheduler(queue, policy, *, max_num_seqs: int, budget: int, num_blocks: int):
+def _scheduler(queue, policy, *, max_num_seqs: int, budget: int, num_blocks: int,
+               num_displacement_places: int = 0):  # fmt: skip
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             num_displacement_places=num_displacement_places)  # fmt: skip
     return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        config,
         KVCacheManager(num_blocks, 4),
         queue,
         policy,
@@ -190,6 +195,36 @@ def test_a_tenant_a_quantum_below_a_flood_displaces_it_from_a_full_batch():
     out = scheduler.schedule()
     assert [seq.tenant_id for seq in out.preempted] == ["a"]
     assert late.status is SequenceStatus.RUNNING and out.prefills[0].seq is late
+
+
+def test_a_displacer_takes_an_extra_place_while_the_kv_cache_has_room():
+    # Nobody is preempted (recompute would cost the victim); the batch goes one over its
+    # places, and a second displacer, the extra place taken, preempts.
+    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=100,
+                                num_displacement_places=1)  # fmt: skip
+    low = [make_sequence(i, 4, 50, tenant_id="free", tier=0) for i in range(2)]
+    for seq in low:
+        scheduler.add(seq)
+    _step(scheduler)
+    scheduler.add(gold := make_sequence(9, 4, 3, tenant_id="gold", tier=2))
+    out = scheduler.schedule()
+    assert not out.preempted and gold.status is SequenceStatus.RUNNING
+    assert scheduler.num_running == 3
+    scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])
+    scheduler.add(make_sequence(10, 4, 3, tenant_id="silver", tier=1))
+    assert scheduler.schedule().preempted == [low[1]]
+
+
+def test_a_displacer_preempts_when_the_kv_cache_is_full():
+    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=4,
+                                num_displacement_places=1)  # fmt: skip
+    low = [make_sequence(i, 8, 8, tenant_id="free", tier=0) for i in range(2)]
+    for seq in low:
+        scheduler.add(seq)
+    _step(scheduler)  # 2 x 8 tokens: all 4 blocks held
+    scheduler.add(gold := make_sequence(9, 4, 3, tenant_id="gold", tier=2))
+    out = scheduler.schedule()
+    assert out.preempted == [low[1]] and gold.status is SequenceStatus.RUNNING
 
 
 def test_backlogged_tenants_that_share_the_batch_do_not_displace_each_other():

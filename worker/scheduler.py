@@ -68,6 +68,16 @@ class SchedulerConfig:
     # tokens of context makes its step 4x a decode step (docs/benchmarks.md).
     max_prefill_attention: int = 256 * 512
     max_step_failures: int = 2  # a sequence that fails alone this often is dead-lettered
+    # Places beyond max_num_seqs that a request which may displace running work takes while
+    # the KV cache has room, instead of preempting (recompute costs the victim; the places
+    # only bound the step's size). None: an eighth of max_num_seqs, at least one.
+    num_displacement_places: int | None = None
+
+    @property
+    def max_num_displacing_seqs(self) -> int:
+        """The most sequences in the batch, displacers in the extra places included."""
+        extra = self.num_displacement_places
+        return self.max_num_seqs + (max(1, self.max_num_seqs // 8) if extra is None else extra)
 
 
 class Scheduler:
@@ -134,8 +144,9 @@ class Scheduler:
         first that does not fit stops admission (no overtaking, so a long prompt cannot
         starve). Before all that, a full batch makes room for the waiting sequence that may
         displace running work (a higher tier, or a tenant a quantum below a running one's
-        service: `_displace`), which is then admitted first. Every token computed is charged to the sequence's tenant: all of a
-        sequence's tokens when it is admitted (its prompt, or everything again after a
+        service: `_displace`), in an extra place while the KV cache has room, else by
+        preempting; it is then admitted first. Every token computed is charged to the
+        sequence's tenant: all of a sequence's tokens when it is admitted (its prompt, or everything again after a
         preemption), then each decode.
         """
         while self.suspects and self.suspects[0].is_finished:
@@ -264,14 +275,18 @@ class Scheduler:
 
     def _displace(self, out: SchedulerOutput) -> Sequence | None:
         """When the batch is full (no slot, or too few free KV blocks), make room for the
-        waiting queue's neediest sequence by preempting running sequences it may displace
-        (`FairQueue.may_displace`: a higher tier, or a tenant a quantum beyond its service),
+        waiting queue's neediest sequence if it may displace running work
+        (`FairQueue.may_displace`: a higher tier, or a tenant a quantum beyond its service):
+        it takes one of the extra places over `max_num_seqs` while the KV cache has room
+        (`num_displacement_places`), else running sequences it may displace are preempted,
         the policy's victim each time; that sequence, or None. All or nothing: no victim is
         preempted unless they free enough. FIFO never displaces."""
         seq = self.waiting.neediest()
         if seq is None or self._has_room_for(seq):
             return None
-        num_slots = len(self.running) - self.config.max_num_seqs + 1
+        if not any(self.waiting.may_displace(seq, victim) for victim in self.running):
+            return None
+        num_slots = len(self.running) - self.config.max_num_displacing_seqs + 1
         num_blocks = self.kv_cache.num_blocks_for(seq.num_tokens) - self.kv_cache.num_free_blocks
         candidates, victims = list(self.running), []
         while candidates and (num_slots > 0 or num_blocks > 0):
