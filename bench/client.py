@@ -38,6 +38,9 @@ class RequestResult:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # from the usage chunk, else the number of text chunks
     num_computed_tokens: int = 0  # engine-direct only: prompt, decodes and recompute
+    # When the server had queued it: over HTTP when the response's headers arrived (the API
+    # answers once the request is admitted and enqueued); engine-direct, its arrival.
+    accepted_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -163,6 +166,7 @@ class _Sender:
                 text = (await response.aread()).decode(errors="replace")
                 _fail(result, f"HTTP {response.status_code}: {text}")
                 return
+            result.accepted_s = time.perf_counter()
             await _read_events(response, result)
 
 

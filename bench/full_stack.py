@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
 import tempfile
 import time
@@ -68,8 +69,15 @@ def platform(
     port = free_port()
     # Its own Redis and SQLite, whatever REDIS_URL or DATABASE_URL the caller has set.
     settings = Settings(home_dir=home, api_port=port, REDIS_URL=None, DATABASE_URL=None)
-    # The children get the same: the embedded Redis on its socket, SQLite in the home.
-    env = {"REDIS_URL": settings.redis_url, "DATABASE_URL": settings.database_url}
+    # The children get the same: the embedded Redis on its socket, SQLite in the home. The
+    # workers share the machine's cores, as several workers on one machine are pinned: each
+    # gets its part as torch threads (with 4 workers of 2 threads each on 2 cores, OpenMP
+    # teams spinning against each other stalled every worker for seconds at a time).
+    env = {
+        "REDIS_URL": settings.redis_url,
+        "DATABASE_URL": settings.database_url,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // run.num_workers)),
+    }
     stack = LocalStack(settings, env_overrides=env)
     is_done = False
     try:

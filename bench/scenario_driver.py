@@ -62,9 +62,10 @@ class Broker:
     def put(self, seq: Sequence) -> None:
         self._streams.setdefault(seq.tenant_id, deque()).append(seq)
 
-    def take(self, count: int, tenants: list[str]) -> list[Sequence]:
+    def take(self, plan: dict[str, int]) -> list[Sequence]:
+        """Up to `plan[tenant]` of each tenant's oldest requests."""
         taken = []
-        for tenant in tenants:
+        for tenant, count in plan.items():
             stream = self._streams[tenant]
             taken += [stream.popleft() for _ in range(min(count, len(stream)))]
         return taken
@@ -86,21 +87,20 @@ class ScenarioWorker:
         return self.clock.now()
 
     def pull(self, broker: Broker) -> list[Sequence]:
-        """Take what the worker's intake would (`worker.intake.Intake.pull`): while busy,
-        the preferred tenants' first, up to its room, then the others by `plan_pull`."""
+        """Take what the worker's intake would (`worker.intake.Intake.pull`): idle, one
+        of each tenant's first; then the preferred tenants' share of its room, then the
+        others', by `plan_pull`."""
         tenants = broker.tenants
-        groups = [[t for t in tenants if t in self.preferred]]
-        groups.append([t for t in tenants if t not in self.preferred])
-        if not self.engine.has_work():
-            groups = [tenants]  # idle: room for everyone
-        taken: list[Sequence] = []
-        for group in groups:
-            num_free = max(0, self.engine.num_free_slots() - len(taken))
-            waiting = self.engine.num_waiting_by_tenant() + Counter(s.tenant_id for s in taken)
-            count, wanted = plan_pull(
-                num_free, group, waiting, self.engine.would_start_soon, is_fair=self.is_fair
+        room = self.engine.num_free_slots()
+        taken = [] if self.engine.has_work() else broker.take(dict.fromkeys(tenants, 1))
+        preferred = [t for t in tenants if t in self.preferred]
+        for group in (preferred, [t for t in tenants if t not in self.preferred]):
+            num_taken = Counter(seq.tenant_id for seq in taken)
+            num_free = max(0, room - sum(n for t, n in num_taken.items() if t not in group))
+            plan = plan_pull(
+                num_free, group, self.engine, is_fair=self.is_fair, num_taken=num_taken
             )
-            taken += broker.take(count, wanted)
+            taken += broker.take(plan)
         return taken
 
     def step(self, pool: PoolCounters | None) -> list[SequenceOutput]:
@@ -156,7 +156,7 @@ class _Run:
             spec = self.pending.popleft()
             arrival_s = self.start_s + spec.arrival_s
             result = self.results[spec.index]
-            result.start_s = arrival_s
+            result.start_s = result.accepted_s = arrival_s
             tenant = self.tenants.get(spec.tenant, TenantSpec(spec.tenant))
             if self.num_in_flight[tenant.name] == tenant.max_requests_in_flight:
                 result.is_ok, result.error = False, "429 requests_in_flight_exceeded"

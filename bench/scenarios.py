@@ -375,10 +375,13 @@ def _throughput(results: list[RequestResult]) -> float:
 def _weighted_service(grouped: dict[str, list[RequestResult]], weights: dict[str, int]) -> dict:
     """Token service per tenant while every tenant is backlogged, overall and per window.
 
-    A tenant is backlogged until its last request starts (its first token); service counts
-    output tokens when they arrive and prompt tokens when the first output token does.
+    Every tenant is backlogged from the moment all requests have been accepted (queued by
+    the server: over HTTP the API admits a burst of hundreds of requests over seconds,
+    while the workers serve whatever has arrived) until its last request starts (its first
+    token); service counts output tokens when they arrive and prompt tokens when the first
+    output token does.
     """
-    start_s = min(r.start_s for rs in grouped.values() for r in rs)
+    start_s = max(r.accepted_s or r.start_s for rs in grouped.values() for r in rs)
     end_s = min(max(r.chunk_times_s[0] for r in rs if r.chunk_times_s) for rs in grouped.values())
     events = {
         tenant: [(r.chunk_times_s[0], r.num_prompt_tokens) for r in rs if r.chunk_times_s]

@@ -3,32 +3,43 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 
 from shared import keys
 from tests.factories import make_request
 from worker.intake import Intake, plan_pull
 
 
-def _never(tenant: str) -> bool:
-    return False
+class _Engine:
+    """What the intake asks of an engine, set by hand."""
 
+    def __init__(self, num_free=0, waiting=None, soon=()):
+        self.num_free, self.waiting, self.soon = num_free, Counter(waiting or {}), set(soon)
 
-def test_free_places_are_spread_over_the_tenants_streams():
-    count, tenants = plan_pull(6, ["a", "b", "c"], {"b": 2}, _never)
-    assert (count, tenants) == (2, ["a", "c"])  # b already has its share waiting
+    def num_free_slots(self) -> int:
+        return self.num_free
+
+    def num_waiting_by_tenant(self) -> Counter:
+        return self.waiting
+
+    def would_start_soon(self, tenant: str) -> bool:
+        return tenant in self.soon
+
+def test_free_places_are_shared_by_the_streams_each_tenant_topped_up_to_its_share():
+    engine = _Engine(waiting={"b": 2, "c": 9})
+    plan = plan_pull(12, ["a", "b", "c"], engine)
+    assert plan == {"a": 4, "b": 2}  # shares of 4; b has 2 waiting already, c more
 
 
 def test_with_the_batch_full_only_heads_that_would_start_soon_are_read():
-    def soon(tenant: str) -> bool:
-        return tenant in ("light", "busy")
-
-    count, tenants = plan_pull(0, ["flood", "light", "busy"], {"busy": 1}, soon)
-    assert (count, tenants) == (1, ["light"])  # one each; busy has one waiting already
+    engine = _Engine(waiting={"busy": 1}, soon={"light", "busy"})
+    assert plan_pull(0, ["flood", "light", "busy"], engine) == {"light": 1}
 
 
 def test_fifo_reads_its_room_from_every_stream_and_nothing_when_full():
-    assert plan_pull(4, ["a", "b"], {"a": 9}, _never, is_fair=False) == (4, ["a", "b"])
-    assert plan_pull(0, ["a", "b"], {}, lambda t: True, is_fair=False) == (0, [])
+    engine = _Engine(waiting={"a": 9}, soon={"a", "b"})
+    assert plan_pull(4, ["a", "b"], engine, is_fair=False) == {"a": 4, "b": 4}
+    assert plan_pull(0, ["a", "b"], engine, is_fair=False) == {}
 
 
 async def _enqueue(aredis, model: str, tenant: str, n: int) -> None:
@@ -42,8 +53,7 @@ async def test_a_full_worker_takes_the_head_of_a_tenant_that_would_start_soon(ar
     model = f"m-{uuid.uuid4().hex[:8]}"
     await _enqueue(aredis, model, "flood", 5)
     await _enqueue(aredis, model, "light", 5)
-    intake = Intake(aredis, model, "w1")
-    entries = await intake.pull(0, None, {}, lambda tenant: tenant == "light")
+    entries = await Intake(aredis, model, "w1").pull(_Engine(soon={"light"}), None)
     assert [e.request.tenant_id for e in entries] == ["light"]
 
 
@@ -52,9 +62,18 @@ async def test_a_busy_worker_fills_its_room_from_its_preferred_tenants_first(are
     await _enqueue(aredis, model, "a", 10)
     await _enqueue(aredis, model, "b", 10)
     intake = Intake(aredis, model, "w1", preferred_tenants=frozenset({"b"}))
-    entries = await intake.pull(4, None, {}, lambda tenant: True)
-    # b's requests take the room; a's next in line comes as a head.
+    entries = await intake.pull(_Engine(num_free=4, soon={"a", "b"}), None)
+    # b's requests take the room; a's, next in line, comes as a head.
     assert sorted(e.request.tenant_id for e in entries) == ["a", "b", "b", "b", "b"]
-    idle = Intake(aredis, model, "w2", preferred_tenants=frozenset({"b"}))
-    entries = await idle.pull(4, 10, {}, lambda tenant: True)  # idle: room for everyone
-    assert sorted(e.request.tenant_id for e in entries) == ["a", "a", "b", "b"]
+
+
+async def test_an_idle_worker_waits_for_a_request_then_takes_its_room(aredis):
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    await _enqueue(aredis, model, "a", 10)
+    await _enqueue(aredis, model, "b", 10)
+    intake = Intake(aredis, model, "w1")
+    entries = await intake.pull(_Engine(num_free=6), 50)
+    assert sorted(e.request.tenant_id for e in entries) == ["a"] * 3 + ["b"] * 3
+    other = f"m-{uuid.uuid4().hex[:8]}"
+    await _enqueue(aredis, other, "a", 0)  # a stream with nothing on it
+    assert await Intake(aredis, other, "w1").pull(_Engine(num_free=6), 50) == []

@@ -167,7 +167,7 @@ class Worker:
             entries, self._reclaimed = self._reclaimed, []
             if not self._stopping.is_set():
                 block_ms = None if engine.has_work() or entries else idle_ms
-                entries += await self._pull(intake, engine.num_free_slots(), block_ms, engine)
+                entries += await self._pull(intake, block_ms, engine)
             for entry in entries:
                 if (flight := publisher.inflight.get(entry.request.request_id)) is not None:
                     if flight.entry.entry_id != entry.entry_id:
@@ -206,14 +206,12 @@ class Worker:
             engine.metrics.pool_sync_s.labels(self._deployment.model_id).observe(pool.last_sync_s)
         return outputs
 
-    async def _pull(self, intake: Intake, free: int, block_ms: int | None, engine):
+    async def _pull(self, intake: Intake, block_ms: int | None, engine):
         """New entries; none this turn while the broker is unreachable. (A pull whose reply
         was lost leaves entries pending here unseen: recovery serves them after the heartbeat
         timeout.)"""
         try:
-            return await intake.pull(
-                free, block_ms, engine.num_waiting_by_tenant(), engine.would_start_soon
-            )
+            return await intake.pull(engine, block_ms)
         except BROKER_ERRORS as exc:
             log.warning("pull failed: %s", exc)
             if not engine.has_work():
