@@ -25,6 +25,7 @@ class _Engine:
     def would_start_soon(self, tenant: str) -> bool:
         return tenant in self.soon
 
+
 def test_free_places_are_shared_by_the_streams_each_tenant_topped_up_to_its_share():
     engine = _Engine(waiting={"b": 2, "c": 9})
     plan = plan_pull(12, ["a", "b", "c"], engine)

@@ -117,9 +117,7 @@ class Intake:
             # The room is shared by the group; what others just took is not its to share.
             num_taken = Counter(entry.request.tenant_id for entry in taken)
             num_free = max(0, room - sum(n for t, n in num_taken.items() if t not in group))
-            plan = plan_pull(
-                num_free, group, engine, is_fair=self._is_fair, num_taken=num_taken
-            )
+            plan = plan_pull(num_free, group, engine, is_fair=self._is_fair, num_taken=num_taken)
             taken += await self._read(streams, plan)
         return taken
 
