@@ -87,14 +87,17 @@ class ScenarioWorker:
         return self.clock.now()
 
     def pull(self, broker: Broker) -> list[Sequence]:
-        """Take what the worker's intake would (`worker.intake.Intake.pull`): idle, one
-        of each tenant's first; then the preferred tenants' share of its room, then the
-        others', by `plan_pull`."""
+        """Take what the worker's intake would (`worker.intake.Intake.pull`, by
+        `plan_pull`): idle, its room from every stream; busy, the preferred tenants' share
+        of its room first, then the others'."""
         tenants = broker.tenants
         room = self.engine.num_free_slots()
-        taken = [] if self.engine.has_work() else broker.take(dict.fromkeys(tenants, 1))
-        preferred = [t for t in tenants if t in self.preferred]
-        for group in (preferred, [t for t in tenants if t not in self.preferred]):
+        groups = [[t for t in tenants if t in self.preferred]]
+        groups.append([t for t in tenants if t not in self.preferred])
+        if not self.engine.has_work():
+            groups = [tenants]  # idle: room for everyone
+        taken: list[Sequence] = []
+        for group in groups:
             num_taken = Counter(seq.tenant_id for seq in taken)
             num_free = max(0, room - sum(n for t, n in num_taken.items() if t not in group))
             plan = plan_pull(

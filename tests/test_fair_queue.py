@@ -301,21 +301,21 @@ def test_the_pools_counters_never_lower_a_tenants_own_and_lost_ones_are_sent_bac
     assert q.take_service_updates().floors == {"a": 1_000}
 
 
-def test_a_tenant_with_nothing_waiting_would_start_soon_when_it_is_needier_than_the_rest():
+def test_a_tenant_with_nothing_waiting_starts_soon_when_it_is_needier_than_the_rest():
     q = FairQueue(quantum_tokens=100, burst_tokens=0)
     running = [_seq("flood") for _ in range(4)]
     for seq in running:
         q.push(seq)
         q.served(q.pop(), 1_000)  # the flood fills the batch with 4,000 tokens of service
-    assert q.would_start_soon("new", running)  # never seen: it would be lifted and go first
+    assert "new" in q.starting_soon(["new"], running)  # never seen: it would be lifted and go first
     q.push(light := _seq("light"))
     q.served(q.pop(), 10)
     assert light.tenant_id == "light"
-    assert q.would_start_soon("light", running)  # far below the flood: it displaces it
+    assert "light" in q.starting_soon(["light"], running)  # far below the flood: it displaces it
     q.push(_seq("light"))
-    assert not q.would_start_soon("light", running)  # has one waiting already
+    assert "light" not in q.starting_soon(["light"], running)  # has one waiting already
     _fill(q, "flood", 2)
-    assert not q.would_start_soon("flood", running)  # has some waiting
+    assert "flood" not in q.starting_soon(["flood"], running)  # has some waiting
 
 
 def test_a_tenant_within_a_quantum_waits_for_a_free_place_behind_the_neediest():
@@ -327,7 +327,7 @@ def test_a_tenant_within_a_quantum_waits_for_a_free_place_behind_the_neediest():
     _fill(q, "b", 1)  # b waits
     for seq in running:
         q.served(seq, service[seq.tenant_id])
-    assert not q.would_start_soon("a", running)  # 1,000: neither displaces nor goes next
-    assert not q.would_start_soon("c", running)
+    assert "a" not in q.starting_soon(["a"], running)  # 1,000: neither displaces nor goes next
+    assert "c" not in q.starting_soon(["c"], running)
     q.pop()
-    assert q.would_start_soon("a", running)  # nothing waits: a would take the next place
+    assert "a" in q.starting_soon(["a"], running)  # nothing waits: a would take the next place

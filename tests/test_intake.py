@@ -22,14 +22,14 @@ class _Engine:
     def num_waiting_by_tenant(self) -> Counter:
         return self.waiting
 
-    def would_start_soon(self, tenant: str) -> bool:
-        return tenant in self.soon
+    def starting_soon(self, tenants) -> set[str]:
+        return self.soon & set(tenants)
 
 
-def test_free_places_are_shared_by_the_streams_each_tenant_topped_up_to_its_share():
-    engine = _Engine(waiting={"b": 2, "c": 9})
+def test_free_places_are_shared_by_the_streams_of_tenants_with_less_than_their_share():
+    engine = _Engine(waiting={"b": 2, "c": 4})
     plan = plan_pull(12, ["a", "b", "c"], engine)
-    assert plan == {"a": 4, "b": 2}  # shares of 4; b has 2 waiting already, c more
+    assert plan == {"a": 4, "b": 4}  # shares of 4: one read; c has its share waiting
 
 
 def test_with_the_batch_full_only_heads_that_would_start_soon_are_read():
@@ -68,7 +68,7 @@ async def test_a_busy_worker_fills_its_room_from_its_preferred_tenants_first(are
     assert sorted(e.request.tenant_id for e in entries) == ["a", "b", "b", "b", "b"]
 
 
-async def test_an_idle_worker_waits_for_a_request_then_takes_its_room(aredis):
+async def test_an_idle_worker_takes_its_room_from_every_stream(aredis):
     model = f"m-{uuid.uuid4().hex[:8]}"
     await _enqueue(aredis, model, "a", 10)
     await _enqueue(aredis, model, "b", 10)

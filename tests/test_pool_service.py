@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from shared import keys
+from shared.redis_server import EmbeddedRedis, free_port
 from worker.fair_queue import ServiceUpdates
 from worker.pool_service import PoolService, merge_service
 
@@ -29,13 +30,20 @@ async def test_workers_add_their_service_and_lifts_only_raise_a_counter(aredis):
     assert await aredis.ttl(keys.tenant_service(model)) > 0
 
 
-async def test_updates_of_a_sync_that_failed_go_with_the_next(aredis, redis_server):
+async def test_updates_of_a_sync_that_failed_go_with_the_next(tmp_path):
+    # A Redis of its own, stopped and started again on the same port and data.
     from shared.redis_conn import async_client
 
-    model = f"m-{uuid.uuid4().hex[:8]}"
-    unreachable = async_client("redis://127.0.0.1:1", retries=0)
-    pool = PoolService(unreachable, model)
-    assert await pool.sync(ServiceUpdates({"a": 7.0}, {"b": 3.0})) is None
-    await unreachable.aclose()
-    pool._sync = PoolService(aredis, model)._sync  # the broker is back
-    assert await pool.sync(ServiceUpdates({"a": 1.0}, {})) == {"a": 8.0, "b": 3.0}
+    port = free_port()
+    server = EmbeddedRedis(tmp_path, port=port).start()
+    client = async_client(server.url, retries=0)
+    pool = PoolService(client, "m")
+    try:
+        assert await pool.sync(ServiceUpdates({"a": 1.0})) == {"a": 1.0}
+        server.stop()
+        assert await pool.sync(ServiceUpdates({"a": 7.0}, {"b": 3.0})) is None
+        server = EmbeddedRedis(tmp_path, port=port).start()
+        assert await pool.sync(ServiceUpdates({"a": 1.0})) == {"a": 9.0, "b": 3.0}
+    finally:
+        await client.aclose()
+        server.stop()

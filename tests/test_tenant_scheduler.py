@@ -168,12 +168,19 @@ def test_a_light_tenants_decodes_do_not_put_its_next_prompt_behind_a_flood():
         scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])
 
 
-def test_a_higher_tier_displaces_lower_tier_work_from_a_full_batch():
-    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=100)
-    low = [make_sequence(i, 4, 50, tenant_id="free", tier=0) for i in range(2)]
+def _full_of_free_tier(*, num_blocks: int, prompt: int, num_displacement_places: int = 0):
+    """A batch of two places, both held by a free-tier tenant's running sequences."""
+    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=num_blocks,
+                                num_displacement_places=num_displacement_places)  # fmt: skip
+    low = [make_sequence(i, prompt, 8, tenant_id="free", tier=0) for i in range(2)]
     for seq in low:
         scheduler.add(seq)
     _step(scheduler)
+    return scheduler, low
+
+
+def test_a_higher_tier_displaces_lower_tier_work_from_a_full_batch():
+    scheduler, low = _full_of_free_tier(num_blocks=100, prompt=4)
     gold = make_sequence(9, 4, 3, tenant_id="gold", tier=2)
     scheduler.add(gold)
     out = scheduler.schedule()
@@ -200,12 +207,7 @@ def test_a_tenant_a_quantum_below_a_flood_displaces_it_from_a_full_batch():
 def test_a_displacer_takes_an_extra_place_while_the_kv_cache_has_room():
     # Nobody is preempted (recompute would cost the victim); the batch goes one over its
     # places, and a second displacer, the extra place taken, preempts.
-    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=100,
-                                num_displacement_places=1)  # fmt: skip
-    low = [make_sequence(i, 4, 50, tenant_id="free", tier=0) for i in range(2)]
-    for seq in low:
-        scheduler.add(seq)
-    _step(scheduler)
+    scheduler, low = _full_of_free_tier(num_blocks=100, prompt=4, num_displacement_places=1)
     scheduler.add(gold := make_sequence(9, 4, 3, tenant_id="gold", tier=2))
     out = scheduler.schedule()
     assert not out.preempted and gold.status is SequenceStatus.RUNNING
@@ -216,12 +218,8 @@ def test_a_displacer_takes_an_extra_place_while_the_kv_cache_has_room():
 
 
 def test_a_displacer_preempts_when_the_kv_cache_is_full():
-    scheduler = _fair_scheduler(quantum=8, max_num_seqs=2, budget=64, num_blocks=4,
-                                num_displacement_places=1)  # fmt: skip
-    low = [make_sequence(i, 8, 8, tenant_id="free", tier=0) for i in range(2)]
-    for seq in low:
-        scheduler.add(seq)
-    _step(scheduler)  # 2 x 8 tokens: all 4 blocks held
+    # 2 x 8 tokens: all 4 blocks held
+    scheduler, low = _full_of_free_tier(num_blocks=4, prompt=8, num_displacement_places=1)
     scheduler.add(gold := make_sequence(9, 4, 3, tenant_id="gold", tier=2))
     out = scheduler.schedule()
     assert out.preempted == [low[1]] and gold.status is SequenceStatus.RUNNING

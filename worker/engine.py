@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,9 +91,9 @@ class Engine(Protocol):
 
     def num_free_slots(self) -> int: ...
     def num_waiting_by_tenant(self) -> Counter[str]: ...
-    def would_start_soon(self, tenant_id: str) -> bool:
-        """Whether a new request of `tenant_id` would start at once or at the next free
-        place though the batch is full (`FairQueue.would_start_soon`)."""
+    def starting_soon(self, tenant_ids: Iterable[str]) -> set[str]:
+        """Which of these tenants' new requests would start at once or at the next free
+        place though the batch is full (`FairQueue.starting_soon`)."""
         ...
 
     def take_service_updates(self) -> ServiceUpdates:
@@ -145,8 +145,8 @@ class StaticBatchEngine:
     def num_waiting_by_tenant(self) -> Counter[str]:
         return Counter(seq.tenant_id for seq in self._waiting)
 
-    def would_start_soon(self, tenant_id: str) -> bool:
-        return False  # a static batch runs to its end
+    def starting_soon(self, tenant_ids: Iterable[str]) -> set[str]:
+        return set()  # a static batch runs to its end
 
     def take_service_updates(self) -> ServiceUpdates:
         return ServiceUpdates()
@@ -226,8 +226,8 @@ class ContinuousBatchingEngine:
     def num_waiting_by_tenant(self) -> Counter[str]:
         return Counter(seq.tenant_id for seq in self.scheduler.waiting)
 
-    def would_start_soon(self, tenant_id: str) -> bool:
-        return self.scheduler.would_start_soon(tenant_id)
+    def starting_soon(self, tenant_ids: Iterable[str]) -> set[str]:
+        return self.scheduler.starting_soon(tenant_ids)
 
     def take_service_updates(self) -> ServiceUpdates:
         return self.scheduler.waiting.take_service_updates()

@@ -44,7 +44,7 @@ It is work-conserving: whenever any sequence waits, `peek()` returns one.
 When the batch is full, `neediest()` (the head of the waiting tenant with the highest tier
 and the least service) may displace running work that `may_displace` allows: a lower tier's,
 or another tenant's at least a quantum beyond it in service (the scheduler preempts it).
-`would_start_soon` tells the worker's intake which tenants' requests would start at once (by
+`starting_soon` tells the worker's intake which tenants' requests would start at once (by
 displacing) or at the next free place (the least served), so that it takes them even with
 the batch full, and only those. Tenants the counters keep within a quantum of each other do
 not preempt each other.
@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,10 +114,10 @@ class WaitingQueue(Protocol):
         """Whether waiting `seq` may preempt running `victim` to be admitted."""
         ...
 
-    def would_start_soon(self, tenant_id: str, running: list[Sequence]) -> bool:
-        """Whether a new request of `tenant_id`, which has nothing waiting, would start at
-        once or at the next free place: the worker's intake then takes it even with the
-        batch full."""
+    def starting_soon(self, tenant_ids: Iterable[str], running: list[Sequence]) -> set[str]:
+        """Which of these tenants, with nothing waiting, a new request would start at once
+        or at the next free place: the worker's intake then takes it even with the batch
+        full."""
         ...
 
     def take_service_updates(self) -> ServiceUpdates:
@@ -289,26 +289,48 @@ class FairQueue:
         the counters keep within a quantum of each other do not preempt each other."""
         return self._may_displace(seq.tenant_id, seq.tier, self._service(seq), victim)
 
-    def would_start_soon(self, tenant_id: str, running: list[Sequence]) -> bool:
-        """Whether a new request of `tenant_id`, which has nothing waiting here, would
-        start at once or at the next free place: it could displace some of `running` once
-        lifted against its competition, or it would be the least served of the tenants
-        waiting. True for a tenant never seen here (its tier is not known yet)."""
-        tenant = self.tenants.get(tenant_id)
-        if tenant is None:
-            return True
-        if tenant.waiting:
-            return False
-        service = max(tenant.service, self._lift_floor(tenant_id, tenant.tier))
-        if any(self._may_displace(tenant_id, tenant.tier, service, v) for v in running):
-            return True
+    def starting_soon(self, tenant_ids: Iterable[str], running: list[Sequence]) -> set[str]:
+        """Which of `tenant_ids` would start at once or at the next free place if a request
+        of theirs came in now: a tenant with nothing waiting here that, once lifted against
+        its competition, could displace some of `running` (a lower tier, or another
+        tenant's work a quantum beyond it), or would be the least served of the tenants
+        waiting; and a tenant never seen here (its tier is not known yet). The running
+        tenants and the waiting counters are summed up once, so a pull with the batch full
+        costs O(running + tenants), not their product."""
+        lowest_running_tier = min((seq.tier for seq in running), default=math.inf)
+        most_served: dict[int, dict[str, float]] = {}  # tier -> running tenant -> service
+        for seq in running:
+            most_served.setdefault(seq.tier, {})[seq.tenant_id] = self._service(seq)
+        top_two = {
+            tier: sorted(((v, t) for t, v in served.items()), reverse=True)[:2]
+            for tier, served in most_served.items()
+        }
         waiting_tiers = [tier for tier, ring in self._rings.items() if ring]
-        if not waiting_tiers or max(waiting_tiers) < tenant.tier:
-            return True  # the next admitted
-        if max(waiting_tiers) > tenant.tier:
-            return False
-        counter = service + tenant.num_charged_ahead / tenant.weight
-        return counter <= min(self.tenants[t].counter for t in self._rings[tenant.tier])
+        top_tier = max(waiting_tiers, default=-math.inf)
+        least_counter = min(
+            (self.tenants[t].counter for t in self._rings.get(top_tier, ())), default=math.inf
+        )
+        soon = set()
+        for tenant_id in tenant_ids:
+            tenant = self.tenants.get(tenant_id)
+            if tenant is None:
+                soon.add(tenant_id)
+                continue
+            if tenant.waiting:
+                continue
+            service = max(tenant.service, self._lift_floor(tenant_id, tenant.tier))
+            beyond = [v for v, t in top_two.get(tenant.tier, ()) if t != tenant_id]
+            if (
+                lowest_running_tier < tenant.tier
+                or (beyond and beyond[0] - service >= self.quantum_tokens)
+                or top_tier < tenant.tier
+                or (
+                    top_tier == tenant.tier
+                    and service + tenant.num_charged_ahead / tenant.weight <= least_counter
+                )
+            ):
+                soon.add(tenant_id)
+        return soon
 
     def _may_displace(self, tenant_id: str, tier: int, service: float, victim: Sequence) -> bool:
         if tier != victim.tier:
@@ -439,8 +461,8 @@ class FifoQueue:
     def may_displace(self, seq: Sequence, victim: Sequence) -> bool:
         return False
 
-    def would_start_soon(self, tenant_id: str, running: list[Sequence]) -> bool:
-        return False  # FIFO waits for room
+    def starting_soon(self, tenant_ids: Iterable[str], running: list[Sequence]) -> set[str]:
+        return set()  # FIFO waits for room
 
     def take_service_updates(self) -> ServiceUpdates:
         return ServiceUpdates()

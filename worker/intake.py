@@ -7,7 +7,7 @@ skipping tenants that already have that many waiting in the worker. With no free
 still reads the head of each stream whose tenant has nothing waiting here and would start
 soon: at once, by displacing running work (a higher tier, or a tenant a quantum behind a
 running one's service), or at the next free place, being the least served of the tenants
-waiting (`FairQueue.would_start_soon`). So a tenant that arrives while another's burst fills
+waiting (`FairQueue.starting_soon`). So a tenant that arrives while another's burst fills
 the batch starts within a step or two instead of after the burst's first wave, and the
 pool's shares hold whichever worker holds whose requests. It holds at most one entry per
 tenant beyond what it has room for, each one it would start next, and the fair queue, not
@@ -31,7 +31,7 @@ import asyncio
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,7 +57,7 @@ class IntakeView(Protocol):
 
     def num_free_slots(self) -> int: ...
     def num_waiting_by_tenant(self) -> Counter[str]: ...
-    def would_start_soon(self, tenant_id: str) -> bool: ...
+    def starting_soon(self, tenant_ids: Iterable[str]) -> set[str]: ...
 
 
 def plan_pull(
@@ -69,9 +69,9 @@ def plan_pull(
     num_taken: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """How many entries to read from each tenant's stream (module docstring): `num_free`
-    places shared evenly by `tenants`, each tenant topped up to its share (`num_taken`:
-    entries just read, not in the engine yet); with no free place, the head of each tenant
-    with nothing waiting that would start soon. (Shares in proportion to the weights were
+    places shared evenly by `tenants`, read from those with fewer than their share waiting
+    (`num_taken`: entries just read, not in the engine yet), so one XREADGROUP; with no
+    free place, the head of each tenant with nothing waiting that would start soon. (Shares in proportion to the weights were
     tried: the weighted scenario's shares got noisier, docs/benchmarks.md; the fair queue,
     not the intake, applies the weights.)"""
     if not is_fair:
@@ -80,9 +80,10 @@ def plan_pull(
     if not tenants:
         return {}
     if not num_free:
-        return {t: 1 for t in tenants if not waiting[t] and engine.would_start_soon(t)}
+        soon = engine.starting_soon(t for t in tenants if not waiting[t])
+        return {t: 1 for t in tenants if t in soon}  # in stream order: deterministic
     share = math.ceil(num_free / len(tenants))
-    return {t: share - waiting[t] for t in tenants if share > waiting[t]}
+    return {t: share for t in tenants if waiting[t] < share}
 
 
 class Intake:
@@ -104,14 +105,16 @@ class Intake:
 
     async def pull(self, engine: IntakeView, block_ms: int | None) -> list[StreamEntry]:
         """New entries for the engine's free places, spread over the tenants' streams, and
-        heads that would start soon (`plan_pull`); the preferred tenants' first. Idle
-        (`block_ms`), it first waits up to `block_ms` for anything to arrive."""
+        heads that would start soon (`plan_pull`); while busy, the preferred tenants'
+        first. Idle (`block_ms`), one read of every stream that waits up to `block_ms`."""
+        room = engine.num_free_slots()
+        if not room and not self._is_fair and block_ms is None:
+            return []  # FIFO waits for room: nothing to read, not even the streams
         streams = await self._streams()
-        room, taken = engine.num_free_slots(), []
-        if block_ms is not None:
-            taken = await self._read(streams, dict.fromkeys(streams, 1), block_ms)
-            if not taken:
-                return []
+        if block_ms is not None:  # idle: room for everyone, and wait for anything to arrive
+            plan = plan_pull(room, list(streams), engine, is_fair=self._is_fair)
+            return await self._read(streams, plan, block_ms)
+        taken: list[StreamEntry] = []
         preferred = [t for t in streams if t in self._preferred]
         for group in (preferred, [t for t in streams if t not in self._preferred]):
             # The room is shared by the group; what others just took is not its to share.

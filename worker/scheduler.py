@@ -7,6 +7,7 @@ computes it in one forward pass and returns one sampled token per sampling chunk
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from worker.fair_queue import WaitingQueue
@@ -111,11 +112,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def would_start_soon(self, tenant_id: str) -> bool:
-        """Whether a new request of `tenant_id` would start at once (displacing running
-        work) or at the next free place: the intake then takes it even when the batch is
-        full (`FairQueue.would_start_soon`)."""
-        return self.waiting.would_start_soon(tenant_id, self.running)
+    def starting_soon(self, tenant_ids: Iterable[str]) -> set[str]:
+        """Which of these tenants' new requests would start at once (displacing running
+        work) or at the next free place: the intake then takes them even when the batch is
+        full (`FairQueue.starting_soon`)."""
+        return self.waiting.starting_soon(tenant_ids, self.running)
 
     @property
     def num_running(self) -> int:
