@@ -41,6 +41,10 @@ class RequestResult:
     # When the server had queued it: over HTTP when the response's headers arrived (the API
     # answers once the request is admitted and enqueued); engine-direct, its arrival.
     accepted_s: float = 0.0
+    request_id: str = ""  # over HTTP: the server's (X-Request-Id)
+    # Full-stack scenarios: (time_s, num_tokens) of every token event as the broker
+    # published it (bench/service_recorder.py), the workers' pace without the API's relay.
+    published: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -167,6 +171,7 @@ class _Sender:
                 _fail(result, f"HTTP {response.status_code}: {text}")
                 return
             result.accepted_s = time.perf_counter()
+            result.request_id = response.headers.get("x-request-id", "")
             await _read_events(response, result)
 
 

@@ -61,6 +61,9 @@ def bench(
         typer.Option(help="noisy-neighbour: B's and C's rate (A sends 10x); burst-*: B's rate."),
     ] = 0.4,
     num_workers: Annotated[int, typer.Option(help="weighted-pool: workers in the pool.")] = 2,
+    requests_per_worker: Annotated[
+        int, typer.Option(help="weighted-pool: each tenant's requests per worker.")
+    ] = 80,
     full_stack: Annotated[
         bool,
         typer.Option(
@@ -125,6 +128,7 @@ def bench(
             scenario_duration_s,
             steady_rate_per_s,
             num_workers,
+            requests_per_worker,
             "full-stack" if full_stack else simulate or "engine-direct",
             source,
             dtype,
@@ -224,6 +228,7 @@ class ScenarioArgs:
     duration_s: float
     steady_rate_per_s: float
     num_workers: int
+    requests_per_worker: int
     mode: str  # "engine-direct", "full-stack", or a --simulate cost model
     source: str
     dtype: str
@@ -239,6 +244,7 @@ def _scenario(args: ScenarioArgs, base, json_path: str | None) -> None:
         duration_s=args.duration_s,
         steady_rate_per_s=args.steady_rate_per_s,
         num_workers=args.num_workers,
+        requests_per_worker=args.requests_per_worker,
         ttft_ratio_max=scenarios.burst_ttft_ratio_max(simulated),
     )
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import redis
 
+from bench import service_recorder
 from bench.client import run_http
 from bench.scenarios import Run, Scenario
 from bench.workload import TenantSpec
@@ -38,6 +39,8 @@ START_TIMEOUT_S = 600
 class Platform:
     url: str
     tenant_keys: dict[str, str]  # scenario tenant name -> API key
+    redis_url: str
+    home: Path
 
 
 def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
@@ -47,7 +50,12 @@ def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
     for planned in plan.runs:
         if on_run is not None:
             on_run(planned.label)
-        with platform(planned, plan.tenants, base, source, dtype) as started:
+        with (
+            platform(planned, plan.tenants, base, source, dtype) as started,
+            service_recorder.recording(
+                started.redis_url, started.home / "published.jsonl"
+            ) as published,
+        ):
             results, duration_s = asyncio.run(
                 run_http(
                     started.url,
@@ -57,6 +65,8 @@ def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
                     tenant_keys=started.tenant_keys,
                 )
             )
+        for result in results:
+            result.published = published.get(result.request_id, [])
         runs[planned.label], durations[planned.label] = results, duration_s
     return runs, durations
 
@@ -99,7 +109,7 @@ def platform(
         for index in range(run.num_workers):
             stack.spawn(f"worker-{index}", "worker", *_worker_args(run, index, ids, base, dtype))
         _wait_ready(settings, run.num_workers, stack)
-        yield Platform(f"http://127.0.0.1:{port}", tenant_keys)
+        yield Platform(f"http://127.0.0.1:{port}", tenant_keys, settings.redis_url, home)
         is_done = True
     finally:
         stack.stop()

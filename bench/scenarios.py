@@ -75,6 +75,7 @@ def build(
     duration_s: float,
     steady_rate_per_s: float,
     num_workers: int = 2,
+    requests_per_worker: int = 80,
     ttft_ratio_max: float = BURST_TTFT_RATIO_MAX,
 ) -> Scenario:
     """`ttft_ratio_max`: the burst scenarios' target for the light tenant's TTFT p99 over
@@ -88,7 +89,7 @@ def build(
     if name == "burst-kv":
         return burst(seed, duration_s, steady_rate_per_s, ttft_ratio_max, fills_kv=True)
     if name == "weighted-pool":
-        return weighted_pool(seed, num_workers)
+        return weighted_pool(seed, num_workers, requests_per_worker)
     raise ValueError(f"unknown scenario {name!r}; one of {SCENARIOS}")
 
 
@@ -205,13 +206,14 @@ def burst(
     )
 
 
-def weighted_pool(seed: int, num_workers: int) -> Scenario:
-    """The weighted scenario (4:2:1, all backlogged) over `num_workers` workers with skewed
+def weighted_pool(seed: int, num_workers: int, requests_per_worker: int = 80) -> Scenario:
+    """The weighted scenario (4:2:1, all backlogged, `requests_per_worker` requests per
+    tenant per worker) over `num_workers` workers with skewed
     ingress: every other worker has an affinity for A, the rest for B (each takes its
     tenant's requests first, up to all its room), so one worker holds mostly A's requests
     and another mostly B's. Runs: the pool's shared service counters, and each worker
     with counters of its own (a fair queue per worker, as a router-level DRR would)."""
-    base = weighted(seed, num_requests_per_tenant=80 * num_workers)
+    base = weighted(seed, num_requests_per_tenant=requests_per_worker * num_workers)
     affinity = (("A",), ("B",))
     runs = [
         Run(f"4:2:1 over {num_workers} workers, pool counters (fair)", "fair", "backlogged",
@@ -378,19 +380,16 @@ def _weighted_service(grouped: dict[str, list[RequestResult]], weights: dict[str
     Every tenant is backlogged from the moment all requests have been accepted (queued by
     the server: over HTTP the API admits a burst of hundreds of requests over seconds,
     while the workers serve whatever has arrived) until its last request starts (its first
-    token); service counts output tokens when they arrive and prompt tokens when the first
-    output token does.
+    token); service counts output tokens when they are produced and prompt tokens with the
+    first output token. Produced: when the broker published them, where that was recorded
+    (full-stack runs, `bench/service_recorder.py`), else when they reached the client.
     """
     start_s = max(r.accepted_s or r.start_s for rs in grouped.values() for r in rs)
-    end_s = min(max(r.chunk_times_s[0] for r in rs if r.chunk_times_s) for rs in grouped.values())
-    events = {
-        tenant: [(r.chunk_times_s[0], r.num_prompt_tokens) for r in rs if r.chunk_times_s]
-        + [(t, 1) for r in rs for t in r.chunk_times_s]
-        for tenant, rs in grouped.items()
-    }
+    events = {tenant: _service_events(rs) for tenant, rs in grouped.items()}
+    end_s = min(max(first_s for first_s, _ in starts) for starts, _ in events.values())
 
     def served(tenant: str, lo_s: float, hi_s: float) -> float:
-        return float(sum(n for t, n in events[tenant] if lo_s <= t < hi_s))
+        return float(sum(n for t, n in events[tenant][1] if lo_s <= t < hi_s))
 
     total = {tenant: served(tenant, start_s, end_s) for tenant in grouped}
     total_weight = sum(weights[t] for t in grouped)
@@ -406,6 +405,19 @@ def _weighted_service(grouped: dict[str, list[RequestResult]], weights: dict[str
         "share_error": share_error,
         "jain_per_window": windows,
     }
+
+
+def _service_events(results: list[RequestResult]):
+    """Each request's first token (time, prompt tokens), and every (time, tokens) of service:
+    the prompt with the first output token, then the output tokens."""
+    starts, served = [], []
+    for result in results:
+        produced = result.published or [(t, 1) for t in result.chunk_times_s]
+        if not produced:
+            continue
+        starts.append((produced[0][0], result.num_prompt_tokens))
+        served += [starts[-1], *produced]
+    return starts, served
 
 
 def jain_index(values: list[float]) -> float:

@@ -69,6 +69,18 @@ def test_weighted_service_sees_an_unfair_window():
     assert service["share_error"]["B"] == pytest.approx(10 / 30 / 0.5 - 1)
 
 
+def test_weighted_service_counts_what_the_broker_published_over_what_the_client_saw():
+    # The client saw B's tokens in one late burst (a slow relay); the broker published them
+    # evenly, one token event of 2 tokens every 2 s, as A's: service is counted from that.
+    a = [_result(0, 0.0, [float(i) for i in range(20)], 0), _result(1, 0.0, [20.0], 0)]
+    b = [_result(2, 0.0, [19.0 + i / 100 for i in range(20)], 0), _result(3, 0.0, [20.0], 0)]
+    b[0].published = [(2.0 * i, 2) for i in range(10)]
+    b[1].published = [(20.0, 1)]
+    service = scenarios._weighted_service({"A": a, "B": b}, {"A": 1, "B": 1})
+    assert service["tokens_served"] == {"A": 20.0, "B": 20.0}
+    assert service["jain_per_window"] == [pytest.approx(1.0)] * 2
+
+
 def test_noisy_neighbour_requests_are_numbered_apart_however_long_the_run():
     # A sends ten times B's count: past 1,000 steady requests its numbers once ran into B's,
     # and a run's results (keyed by number) mixed A's requests into B's.
