@@ -1,8 +1,12 @@
 """The admin API under `/admin/v1`: tenants, their settings and their API keys.
 
 Every call needs `Authorization: Bearer <admin key>` (`Settings.admin_secret`), compared in
-constant time. The two credentials never overlap: tenant keys start with `lf-`, which an admin
-key may not, and the admin key is not in the key table, so it opens none of `/v1`.
+constant time; wrong ones are throttled per client address like tenant keys (`api/auth.py`).
+The two credentials never overlap: tenant keys start with `lf-`, which an admin key may not,
+and the admin key is not in the key table, so it opens none of `/v1`.
+
+A tenant name or key id in a path that could name no row (malformed, out of the SQL column's
+range) is a 404 like an unknown one, without a query.
 
 Changes take effect on every API replica at the tenant's next request, because
 authentication reads SQL on each request (`shared.tenants.authenticate`, no cache).
@@ -19,26 +23,30 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from api.admin_schemas import TenantCreateBody, TenantUpdateBody
+from api.auth import verify_key
 from api.context import ApiContext
-from api.errors import APIError, bad_request, not_found, unauthorized
+from api.errors import APIError, bad_request, not_found
 from api.schemas import parse_body, read_body
 from shared import tenants
 from shared.tables import Tenant
 from shared.tenants import LIMIT_FIELDS, InvalidTenantField, IssuedKey, KeyInfo, TenantNameTaken
 
 
-def admin_context(request: Request) -> ApiContext:
-    """The context, once the caller has shown the admin key; 401 otherwise."""
+async def admin_context(request: Request) -> ApiContext:
+    """The context, once the caller has shown the admin key; 401 otherwise (429 while the
+    caller's address is throttled)."""
     ctx: ApiContext = request.state.ctx
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    presented = key.strip().encode() if scheme.lower() == "bearer" else b""
-    if not hmac.compare_digest(presented, ctx.settings.admin_secret.encode()):
-        raise unauthorized("Invalid or missing admin key.")
-    return ctx
+
+    async def is_admin_key(key: str) -> ApiContext | None:
+        is_admin = hmac.compare_digest(key.encode(), ctx.settings.admin_secret.encode())
+        return ctx if is_admin else None
+
+    message = "Invalid or missing admin key."
+    return await verify_key(request, ctx, is_admin_key, missing=message, invalid=message)
 
 
 async def create_tenant(request: Request) -> Response:
-    ctx = admin_context(request)
+    ctx = await admin_context(request)
     body = parse_body(
         TenantCreateBody, await read_body(request, ctx.settings.max_request_body_bytes)
     )
@@ -54,12 +62,17 @@ def _create_tenant(ctx: ApiContext, body: TenantCreateBody) -> tuple[Tenant, Iss
             body.name,
             tier=body.tier,
             weight=body.weight,
-            limits=body.limits(),
+            limits=tenants.limits_with_defaults(body.given_limits(), ctx.settings),
             content_retention_days=body.content_retention_days,
         )
+    except InvalidTenantField as exc:
+        raise bad_request(str(exc), param=exc.field, code="invalid_value") from None
     except TenantNameTaken:
         raise APIError(
-            409, f"A tenant named `{body.name}` already exists.", param="name", code="tenant_exists"
+            409,
+            f"A tenant named `{body.name}` already exists (names are unique ignoring case).",
+            param="name",
+            code="tenant_exists",
         ) from None
     if not body.create_key:
         return tenant, None
@@ -67,23 +80,25 @@ def _create_tenant(ctx: ApiContext, body: TenantCreateBody) -> tuple[Tenant, Iss
 
 
 async def list_tenants(request: Request) -> Response:
-    ctx = admin_context(request)
+    ctx = await admin_context(request)
     rows = await run_in_threadpool(tenants.list_tenants, ctx.engine)
     return JSONResponse({"object": "list", "data": [_tenant_json(t) for t in rows]})
 
 
 async def get_tenant(request: Request) -> Response:
-    ctx = admin_context(request)
+    ctx = await admin_context(request)
     tenant = await _tenant_or_404(ctx, request.path_params["name"])
     return JSONResponse(_tenant_json(tenant))
 
 
 async def update_tenant(request: Request) -> Response:
-    ctx = admin_context(request)
+    ctx = await admin_context(request)
     changes = parse_body(
         TenantUpdateBody, await read_body(request, ctx.settings.max_request_body_bytes)
     ).changes()
     name = request.path_params["name"]
+    if not tenants.is_valid_tenant_name(name):
+        raise _no_tenant(name)
     try:
         tenant = await run_in_threadpool(tenants.update_tenant, ctx.engine, name, **changes)
     except InvalidTenantField as exc:
@@ -94,29 +109,34 @@ async def update_tenant(request: Request) -> Response:
 
 
 async def create_key(request: Request) -> Response:
-    ctx = admin_context(request)
+    ctx = await admin_context(request)
     tenant = await _tenant_or_404(ctx, request.path_params["name"])
     issued = await run_in_threadpool(tenants.issue_key, ctx.engine, tenant.id, ctx.settings.pepper)
     return JSONResponse(_issued_key_json(issued), status_code=201)
 
 
 async def list_keys(request: Request) -> Response:
-    ctx = admin_context(request)
+    ctx = await admin_context(request)
     tenant = await _tenant_or_404(ctx, request.path_params["name"])
     rows = await run_in_threadpool(tenants.list_keys, ctx.engine, tenant.id)
     return JSONResponse({"object": "list", "data": [_key_json(k) for k in rows]})
 
 
 async def revoke_key(request: Request) -> Response:
-    ctx = admin_context(request)
-    key_id = request.path_params["key_id"]
+    ctx = await admin_context(request)
+    text = request.path_params["key_id"]
+    # Not digits: 0, which no key has. `revoke_key` answers None, without a query, for an id
+    # out of the column's range (the driver would fail on it: a 500).
+    key_id = int(text) if text.isascii() and text.isdigit() else 0
     info = await run_in_threadpool(tenants.revoke_key, ctx.engine, key_id)
     if info is None:
-        raise not_found(f"No API key with id {key_id}.")
+        raise not_found(f"No API key with id `{text}`.")
     return JSONResponse(_key_json(info))
 
 
 async def _tenant_or_404(ctx: ApiContext, name: str) -> Tenant:
+    if not tenants.is_valid_tenant_name(name):
+        raise _no_tenant(name)  # no such name can be created (PostgreSQL refuses a NUL in one)
     tenant = await run_in_threadpool(tenants.get_tenant_by_name, ctx.engine, name)
     if tenant is None:
         raise _no_tenant(name)
@@ -175,7 +195,7 @@ routes = [
             Route("/tenants/{name}", update_tenant, methods=["PATCH"]),
             Route("/tenants/{name}/keys", create_key, methods=["POST"]),
             Route("/tenants/{name}/keys", list_keys, methods=["GET"]),
-            Route("/keys/{key_id:int}", revoke_key, methods=["DELETE"]),
+            Route("/keys/{key_id}", revoke_key, methods=["DELETE"]),
         ],
     )
 ]

@@ -1,23 +1,37 @@
 """Request bodies of the admin API, validated with pydantic.
 
 Strict and closed: `"2"` is not 2, and an unknown (say, misspelt) field is a 400 rather than a
-setting silently ignored. In a limit, null means unlimited.
+setting silently ignored. In a limit, null means unlimited; a limit left out of a new tenant
+takes its default (`shared.tenants.limits_with_defaults`). Names and ranges are those of
+`shared.tenants`, which the CLI shares.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from shared.tenants import LIMIT_FIELDS, MAX_SETTING_VALUE, TenantLimits
+from shared.tenants import (
+    LIMIT_FIELDS,
+    MAX_RETENTION_DAYS,
+    MAX_SETTING_VALUE,
+    TENANT_NAME_RULE,
+    is_valid_tenant_name,
+)
 
-# Tenant names appear in admin URLs: letters, digits, `.`, `_`, `-`; no leading punctuation.
-TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
+def _checked_name(name: str) -> str:
+    if not is_valid_tenant_name(name):
+        raise ValueError(TENANT_NAME_RULE)  # pydantic reports it as the field's error
+    return name
+
+
+TenantName = Annotated[str, AfterValidator(_checked_name)]
 Tier = Annotated[int, Field(ge=0, le=MAX_SETTING_VALUE)]
 Weight = Annotated[int, Field(ge=1, le=MAX_SETTING_VALUE)]
 Limit = Annotated[int, Field(ge=1, le=MAX_SETTING_VALUE)] | None
+RetentionDays = Annotated[int, Field(ge=1, le=MAX_RETENTION_DAYS)] | None
 
 
 class AdminBody(BaseModel):
@@ -25,7 +39,7 @@ class AdminBody(BaseModel):
 
 
 class TenantCreateBody(AdminBody):
-    name: str = Field(pattern=TENANT_NAME_PATTERN)
+    name: TenantName
     tier: Tier = 1
     weight: Weight = 1
     max_requests_in_flight: Limit = None
@@ -33,11 +47,13 @@ class TenantCreateBody(AdminBody):
     tokens_per_minute: Limit = None
     requests_per_minute: Limit = None
     max_tokens_per_request: Limit = None
-    content_retention_days: Limit = None  # days prompts and outputs are kept; null: not stored
+    # Days prompts and outputs are kept (at most MAX_RETENTION_DAYS); null: not stored.
+    content_retention_days: RetentionDays = None
     create_key: bool = True  # also issue a first API key, shown in the answer once
 
-    def limits(self) -> TenantLimits:
-        return TenantLimits(**self.model_dump(include=set(LIMIT_FIELDS)))
+    def given_limits(self) -> dict[str, int | None]:
+        """The limits the body names (null: unlimited); the others take their defaults."""
+        return self.model_dump(include=set(LIMIT_FIELDS), exclude_unset=True)
 
 
 class TenantUpdateBody(AdminBody):
@@ -51,7 +67,7 @@ class TenantUpdateBody(AdminBody):
     tokens_per_minute: Limit = None
     requests_per_minute: Limit = None
     max_tokens_per_request: Limit = None
-    content_retention_days: Limit = None
+    content_retention_days: RetentionDays = None
     is_disabled: bool | None = None
 
     def changes(self) -> dict[str, object]:

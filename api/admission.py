@@ -1,31 +1,44 @@
 """Admission: turn a validated body into a `QueuedRequest`, or refuse it before anything is enqueued.
 
-Checks, in order (`_admit`): the model exists; the prompt tokenizes within the vocabulary;
-`max_tokens` is within the tenant's per-request limit; prompt plus `max_tokens` fits the
-model's context, then what the workers' KV cache holds for one sequence, then the tenant's
-tokens per minute; stop strings are within bounds. Each of these is a 400: retrying cannot
-help. Last, the tenant's admission limits (`shared/quota.py`; over one, a 429 with
-`Retry-After`): the only check that takes something, so nothing after it can refuse the
-request and leave its reservation behind (the route releases it if the enqueue fails).
+Checks, in order: the model exists (404). Then the tenant's limits that need no tokens
+(`_slot_taken`: requests in flight, queued, per minute; a 429 with `Retry-After`), before
+any costly work, so a tenant over its limits costs no tokenizing. Then the prompt: at most
+`max_prompt_chars_per_context_token` characters per token of the model's context
+(`prompt_too_long`), tokenized off the event loop on the tokenizer threads (chat messages
+through the model's chat template, their text never read as control tokens:
+`api/prompts.py`) and within the vocabulary; `max_tokens` within the tenant's per-request
+limit; prompt plus `max_tokens` within the model's context, then what the workers' KV cache
+holds for one sequence, then the tenant's tokens per minute; stop strings within bounds.
+Each of these is a 400: retrying cannot help. Last, the tokens are taken from the tenant's
+tokens per minute (or 429). A request refused after its slot was taken gives the slot back,
+but counts against its requests per minute (`quota.free_slots`); one admitted whose enqueue
+then fails is released entirely by the route (`quota.release`).
 A default `max_tokens` (the request named none) is capped by the tenant's limits instead.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Literal
 
+import anyio
 from starlette.concurrency import run_in_threadpool
 
+from api import prompts
 from api.context import ApiContext
-from api.errors import bad_request, model_not_found, rate_limited
+from api.errors import APIError, bad_request, model_not_found, rate_limited
 from api.schemas import ChatBody, CompletionBody, GenerationBody
 from shared import deployments, quota
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import Settings
 from shared.tables import ModelDeployment
 from shared.tenants import Principal, TenantLimits
+
+log = logging.getLogger("llmfleet.api")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -36,32 +49,77 @@ async def admit_completion(
     ctx: ApiContext, principal: Principal, body: CompletionBody
 ) -> QueuedRequest:
     deployment = await _deployment(ctx, body.model)
-    tokenizer = await ctx.tokenizers.get(deployment)
-    if isinstance(body.prompt, str):
-        prompt_ids = tokenizer.encode(body.prompt, add_special_tokens=False)
-    else:
-        prompt_ids = _checked_token_ids(body.prompt, len(tokenizer))
-    max_tokens = body.max_tokens or _capped(
-        DEFAULT_COMPLETION_MAX_TOKENS, principal.limits, len(prompt_ids)
-    )
-    return await _admit(ctx, principal, deployment, body, "completion", prompt_ids, max_tokens)
+    request_id = _new_request_id("completion")
+    async with _slot_taken(ctx, principal, request_id):
+        prompt_ids = await _completion_prompt_ids(ctx, principal, deployment, body.prompt)
+        max_tokens = body.max_tokens or _capped(
+            DEFAULT_COMPLETION_MAX_TOKENS, principal.limits, len(prompt_ids)
+        )
+        return await _admit(
+            ctx, principal, deployment, body, "completion", request_id, prompt_ids, max_tokens
+        )
 
 
 async def admit_chat(ctx: ApiContext, principal: Principal, body: ChatBody) -> QueuedRequest:
     deployment = await _deployment(ctx, body.model)
-    tokenizer = await ctx.tokenizers.get(deployment)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt_ids = list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    request_id = _new_request_id("chat")
+    async with _slot_taken(ctx, principal, request_id):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        num_chars = sum(len(m["content"]) for m in messages)
+        _check_prompt_chars(ctx.settings, deployment, num_chars, param="messages")
+        tokenizer = await ctx.tokenizers.get(deployment)
+        prompt_ids = await ctx.tokenizer_threads.run(
+            principal.tenant_id, prompts.chat_ids, tokenizer, messages
         )
-    )
-    max_tokens = body.requested_max_tokens or _capped(
-        await _default_chat_max_tokens(ctx, deployment, len(prompt_ids)),
+        max_tokens = body.requested_max_tokens or _capped(
+            await _default_chat_max_tokens(ctx, deployment, len(prompt_ids)),
+            principal.limits,
+            len(prompt_ids),
+        )
+        return await _admit(
+            ctx, principal, deployment, body, "chat", request_id, prompt_ids, max_tokens
+        )
+
+
+@asynccontextmanager
+async def _slot_taken(
+    ctx: ApiContext, principal: Principal, request_id: str
+) -> AsyncIterator[None]:
+    """Take the request's slots and one request of its rate, or refuse it (429); if admission
+    then refuses it, give the slots back (the request still counts against its rate)."""
+    refusal = await quota.admit_request(
+        ctx.redis,
         principal.limits,
-        len(prompt_ids),
+        principal.tenant_id,
+        request_id,
+        ctx.settings.request_max_lifetime_s,
     )
-    return await _admit(ctx, principal, deployment, body, "chat", prompt_ids, max_tokens)
+    if refusal is not None:
+        raise _rate_limited(refusal)
+    try:
+        yield
+    except BaseException:
+        # Shielded: a handler cancelled mid-admission must still give its slots back.
+        with anyio.CancelScope(shield=True):
+            try:
+                await quota.free_slots(ctx.redis, principal.tenant_id, request_id)
+            except Exception:
+                # Redis is likely down; the slots expire after `request_max_lifetime_s`.
+                log.exception("could not free the admission slots of %s", request_id)
+        raise
+
+
+async def _completion_prompt_ids(
+    ctx: ApiContext, principal: Principal, deployment: ModelDeployment, prompt: str | list[int]
+) -> list[int]:
+    if isinstance(prompt, list):
+        tokenizer = await ctx.tokenizers.get(deployment)
+        return _checked_token_ids(prompt, len(tokenizer))
+    _check_prompt_chars(ctx.settings, deployment, len(prompt), param="prompt")
+    tokenizer = await ctx.tokenizers.get(deployment)
+    return await ctx.tokenizer_threads.run(
+        principal.tenant_id, prompts.completion_ids, tokenizer, prompt
+    )
 
 
 async def _admit(
@@ -70,18 +128,21 @@ async def _admit(
     deployment: ModelDeployment,
     body: GenerationBody,
     kind: Kind,
+    request_id: str,
     prompt_ids: list[int],
     max_tokens: int,
 ) -> QueuedRequest:
-    """The checks every kind of request shares, then the reservation against its limits."""
+    """The checks every kind of request shares, then the reservation of its tokens."""
     num_tokens = len(prompt_ids) + max_tokens
     _check_max_tokens(principal.limits, max_tokens)
     _check_context(deployment, body, len(prompt_ids), max_tokens)
     await _check_kv_capacity(ctx, deployment, len(prompt_ids), max_tokens)
     _check_tokens_per_minute(principal.limits, num_tokens)
     _check_stop(ctx, body.stop_strings)
-    queued = _queued(ctx.settings, principal, deployment, body, kind, prompt_ids, max_tokens)
-    await _reserve(ctx, principal.limits, queued)
+    queued = _queued(
+        ctx.settings, principal, deployment, body, kind, request_id, prompt_ids, max_tokens
+    )
+    await _reserve_tokens(ctx, principal.limits, queued)
     return queued
 
 
@@ -129,18 +190,35 @@ def _check_tokens_per_minute(limits: TenantLimits, num_tokens: int) -> None:
         )
 
 
-async def _reserve(ctx: ApiContext, limits: TenantLimits, queued: QueuedRequest) -> None:
-    """Take the request's slots and tokens from its tenant's limits, or refuse it (429)."""
-    refusal = await quota.admit(ctx.redis, limits, queued, ctx.settings.request_max_lifetime_s)
+async def _reserve_tokens(ctx: ApiContext, limits: TenantLimits, queued: QueuedRequest) -> None:
+    """Take the request's tokens from its tenant's tokens per minute, or refuse it (429)."""
+    settings = ctx.settings
+    refusal = await quota.admit_tokens(ctx.redis, limits, queued, settings.request_max_lifetime_s)
     if refusal is not None:
-        raise rate_limited(refusal.code, _refusal_message(refusal), refusal.retry_after_s)
+        raise _rate_limited(refusal)
 
 
-def _refusal_message(refusal: quota.Refusal) -> str:
-    return (
+def _rate_limited(refusal: quota.Refusal) -> APIError:
+    message = (
         f"Rate limit reached for {refusal.limit.replace('_', ' ')}: limit {refusal.allowed}. "
         f"Please retry after {refusal.retry_after_s} s."
     )
+    return rate_limited(refusal.code, message, refusal.retry_after_s)
+
+
+def _check_prompt_chars(
+    settings: Settings, deployment: ModelDeployment, num_chars: int, param: str
+) -> None:
+    # Before tokenizing, its cost's bound: no prompt this long can fit the context anyway.
+    max_num_chars = settings.max_prompt_chars_per_context_token * deployment.max_context_tokens
+    if num_chars > max_num_chars:
+        raise bad_request(
+            f"The prompt has {num_chars} characters; this model takes at most {max_num_chars} "
+            f"({settings.max_prompt_chars_per_context_token} per token of its "
+            f"{deployment.max_context_tokens}-token context).",
+            param=param,
+            code="prompt_too_long",
+        )
 
 
 async def _default_chat_max_tokens(
@@ -177,14 +255,20 @@ async def _deployment(ctx: ApiContext, model: str) -> ModelDeployment:
 
 
 def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
-    for token_id in token_ids:
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(
-                f"prompt: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
-                param="prompt",
-                code="invalid_value",
-            )
-    return token_ids
+    # `min` and `max` first: a walk in Python over a 1 MB body's ids holds the event loop.
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return token_ids
+    token_id = next(t for t in token_ids if not 0 <= t < vocab_size)
+    raise bad_request(
+        f"prompt: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})",
+        param="prompt",
+        code="invalid_value",
+    )
+
+
+def _new_request_id(kind: Kind) -> str:
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def _queued(
@@ -193,14 +277,14 @@ def _queued(
     deployment: ModelDeployment,
     body: GenerationBody,
     kind: Kind,
+    request_id: str,
     prompt_ids: list[int],
     max_tokens: int,
 ) -> QueuedRequest:
     assert deployment.id is not None
-    prefix = "cmpl" if kind == "completion" else "chatcmpl"
     now_s = time.time()
     return QueuedRequest(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        request_id=request_id,
         tenant_id=principal.tenant_id,
         tier=principal.tier,
         weight=principal.weight,

@@ -11,6 +11,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -18,6 +19,7 @@ from api import admin, dashboard, metrics
 from api.context import ApiContext, KVCapacity, TokenizerCache
 from api.errors import APIError
 from api.routes import routes
+from api.security_headers import SecurityHeadersMiddleware
 from shared import deployments
 from shared.db import create_schema, make_engine
 from shared.journal import Journal
@@ -36,7 +38,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
         engine = make_engine(settings)
         create_schema(engine)
         redis = async_client(settings.redis_url)
-        journal = Journal(redis, settings.journal_ttl_s)
+        journal = Journal(redis, settings.journal_ttl_s, settings.resume_grace_s)
         ctx = ApiContext(
             settings, engine, redis, TokenizerCache(settings), KVCapacity(redis), journal
         )
@@ -53,6 +55,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
 
     return Starlette(
         routes=[*routes, *admin.routes, *metrics.routes, *dashboard.routes],
+        middleware=[Middleware(SecurityHeadersMiddleware)],
         lifespan=lifespan,
         exception_handlers={
             APIError: _api_error,

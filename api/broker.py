@@ -4,6 +4,12 @@ stream; then read its events, whole and in order, whatever pub/sub drops.
 Subscribing first is what makes the hand-off safe: pub/sub delivers only to listeners
 present at PUBLISH time, so the confirmation of SUBSCRIBE is awaited before XADD.
 
+Each stream's pub/sub connection comes from a pool of its own (one connection) and is closed
+with the stream, the cancel a stream publishes when its client leaves going over that same
+connection: redis-py's shared pool never closes an idle connection, so a burst of streams
+ending together (each publishing its cancel at once) used to leave as many connections open
+in it for the life of the process.
+
 Pub/sub is at most once, so events are also read from the request's journal
 (`shared/journal.py`): at the start (a resumed stream catches up), on a gap in `seq`, and
 whenever the channel has been silent for `stream_idle_check_s`. A silent request whose
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
+from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -38,9 +46,14 @@ from shared.protocol import (
     decode_event,
     encode_cancel,
 )
+from shared.redis_conn import BROKER_ERRORS
 from shared.settings import Settings
 
+log = logging.getLogger("llmfleet.api")
+
 SUBSCRIBE_TIMEOUT_S = 5.0
+# The Redis client name of every stream's own connection (`CLIENT LIST` tells them apart).
+STREAM_CLIENT_NAME = "llmfleet-api-stream"
 # How long a stream waits for the broker to come back before it gives up.
 RESUBSCRIBE_TIMEOUT_S = 30.0
 Event = TokenEvent | FinalEvent | ErrorEvent
@@ -93,6 +106,7 @@ class Subscription:
     timing: StreamTiming
     next_seq: int = 0
     is_finished: bool = False
+    is_closed: bool = False
     _silent_since_s: float = field(default_factory=time.monotonic)
     _last_event_s: float = field(default_factory=time.monotonic)
 
@@ -144,7 +158,7 @@ class Subscription:
 
     async def _resubscribe(self) -> None:
         with anyio.CancelScope(shield=True), contextlib.suppress(RedisConnectionError):
-            await self.pubsub.aclose()
+            await _close_pubsub(self.pubsub)
         deadline_s, delay_s = time.monotonic() + RESUBSCRIBE_TIMEOUT_S, 0.05
         while True:
             try:
@@ -205,18 +219,27 @@ class Subscription:
             message=message,
         )
 
-    async def cancel(self) -> None:
-        """Tell the worker serving the model that the client went away."""
-        await self.redis.publish(
-            keys.cancel_channel(self.info.model), encode_cancel(self.info.request_id)
-        )
-
     async def close(self, *, cancel_if_unfinished: bool = True) -> None:
+        """Unsubscribe and close the stream's connection; first, if the request has not
+        ended, tell the workers serving the model that its client went away (they abort it
+        and record the usage so far, finish reason `cancelled`). Idempotent."""
+        if self.is_closed:
+            return
+        self.is_closed = True
         # Shielded: this runs while a disconnected stream is being cancelled.
         with anyio.CancelScope(shield=True):
-            if cancel_if_unfinished and not self.is_finished:
-                await self.cancel()
-            await self.pubsub.aclose()
+            pool = self.pubsub.connection_pool
+            try:
+                await self.pubsub.aclose()
+                if cancel_if_unfinished and not self.is_finished:
+                    # The stream's own connection, reconnected: see the module docstring.
+                    await aioredis.Redis(connection_pool=pool).publish(
+                        keys.cancel_channel(self.info.model), encode_cancel(self.info.request_id)
+                    )
+            except BROKER_ERRORS as exc:
+                log.warning("could not cancel %s (%s)", self.info.request_id, exc)
+            finally:
+                await pool.disconnect()
 
 
 # KEYS: the model's tenant set, the tenant's stream, the request's meta hash.
@@ -256,28 +279,40 @@ async def submit(
         )
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await pubsub.aclose()
+            await _close_pubsub(pubsub)
         raise
     return Subscription(info, pubsub, redis, journal, timing)
 
 
-async def resume(
-    redis: aioredis.Redis, journal: Journal, request_id: str, tenant_id: str,
-    next_seq: int, timing: StreamTiming,
-) -> Subscription | None:  # fmt: skip
-    """Follow a request's events from `next_seq` (a reconnecting client); None if the
-    request is unknown, expired or another tenant's."""
+async def request_info(journal: Journal, request_id: str, tenant_id: str) -> RequestInfo | None:
+    """What a resumed stream needs to know of a request; None if the request is unknown,
+    expired or another tenant's."""
     meta = await journal.meta(request_id)
     if meta.get("tenant_id") != tenant_id:
         return None
-    info = RequestInfo(request_id, tenant_id, meta["model"], meta["kind"], int(meta["created"]))
+    return RequestInfo(request_id, tenant_id, meta["model"], meta["kind"], int(meta["created"]))
+
+
+async def resume(
+    redis: aioredis.Redis, journal: Journal, info: RequestInfo, next_seq: int,
+    timing: StreamTiming,
+) -> Subscription:  # fmt: skip
+    """Follow a request's events from `next_seq` (a reconnecting client)."""
     bind_request(info.request_id, info.tenant_id, info.model)
-    pubsub = await _subscribe(redis, request_id)
+    pubsub = await _subscribe(redis, info.request_id)
     return Subscription(info, pubsub, redis, journal, timing, next_seq=next_seq)
 
 
 async def _subscribe(redis: aioredis.Redis, request_id: str) -> PubSub:
-    pubsub = redis.pubsub()
+    """A subscription to the request's channel on a connection of its own (see the module
+    docstring); close it with `_close_pubsub`."""
+    shared = redis.connection_pool
+    own = ConnectionPool(
+        connection_class=shared.connection_class,
+        max_connections=1,
+        **{**shared.connection_kwargs, "client_name": STREAM_CLIENT_NAME},
+    )
+    pubsub = aioredis.Redis(connection_pool=own).pubsub()
     try:
         await pubsub.subscribe(keys.request_channel(request_id))
         confirmation = await pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
@@ -285,9 +320,17 @@ async def _subscribe(redis: aioredis.Redis, request_id: str) -> PubSub:
             raise RuntimeError("no SUBSCRIBE confirmation from Redis")
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await pubsub.aclose()
+            await _close_pubsub(pubsub)
         raise
     return pubsub
+
+
+async def _close_pubsub(pubsub: PubSub) -> None:
+    pool = pubsub.connection_pool
+    try:
+        await pubsub.aclose()
+    finally:
+        await pool.disconnect()
 
 
 def _usage_fields(request: QueuedRequest) -> dict[str, str]:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+import anyio
+import anyio.to_thread
 import redis.asyncio as aioredis
 from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
@@ -17,6 +21,8 @@ from shared.settings import Settings
 from shared.tables import ModelDeployment
 
 log = logging.getLogger("llmfleet.api")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,6 +64,42 @@ class TokenizerCache:
 
 
 @dataclass
+class TokenizerThreads:
+    """Runs tokenizing off the event loop, on at most `max_num_threads` threads at once and at
+    most `max_num_per_tenant` of them for one tenant.
+
+    900 KB of text take about 1 s to tokenize: on the event loop that held every other
+    tenant's requests. The Rust tokenizer releases the GIL while it works, so a thread frees
+    the loop. Its own limiter, not Starlette's `run_in_threadpool`: that one pool (40 threads)
+    also runs every request's authentication and database lookups, which must not queue
+    behind prompts. A tenant waits for its own slots first (FIFO), so the shared threads'
+    queue holds at most `max_num_per_tenant` of any one tenant's prompts.
+    """
+
+    max_num_threads: int
+    max_num_per_tenant: int
+    _limiter: anyio.CapacityLimiter | None = None
+    # Per tenant with prompts waiting or tokenizing: its slots and how many hold or want one.
+    _tenants: dict[str, tuple[anyio.Semaphore, int]] = field(default_factory=dict)
+
+    async def run(self, tenant_id: str, fn: Callable[..., T], *args: object) -> T:
+        if self._limiter is None:  # made here: anyio needs the running event loop
+            self._limiter = anyio.CapacityLimiter(self.max_num_threads)
+        slots, num_users = self._tenants.get(tenant_id, (None, 0))
+        slots = slots or anyio.Semaphore(self.max_num_per_tenant)
+        self._tenants[tenant_id] = (slots, num_users + 1)
+        try:
+            async with slots:
+                return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        finally:
+            slots, num_users = self._tenants[tenant_id]
+            if num_users == 1:
+                del self._tenants[tenant_id]
+            else:
+                self._tenants[tenant_id] = (slots, num_users - 1)
+
+
+@dataclass
 class KVCapacity:
     """Per model, the most tokens one sequence can hold on the smallest live worker's KV cache,
     as workers publish it; re-read at most every `ttl_s`. None when no worker has said."""
@@ -85,3 +127,10 @@ class ApiContext:
     tokenizers: TokenizerCache
     kv_capacity: KVCapacity
     journal: Journal
+    tokenizer_threads: TokenizerThreads = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokenizer_threads = TokenizerThreads(
+            self.settings.max_num_tokenizer_threads,
+            self.settings.max_num_tokenizer_threads_per_tenant,
+        )

@@ -2,60 +2,92 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
+from collections.abc import Awaitable, Callable
 from datetime import date
 
 import anyio
 from sqlmodel import select
-from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api import admission, broker
+from api import admission, broker, resume_slots
 from api.auth import authenticate
 from api.context import ApiContext
 from api.errors import bad_request, not_found
 from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body, read_body
-from api.streaming import chunk_format, collect, sse_events
+from api.streaming import SubscriptionStream, chunk_format, collect_while_connected
 from shared import deployments, quota, usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest
 from shared.tables import UsageRecord
 
 log = logging.getLogger("llmfleet.api")
+# At most 18 ASCII digits: below 2**63, so the journal's entry ids (`0-{seq + 1}`) stay valid
+# Redis stream ids. `str.isdigit` also accepts `²` and other digits `int` cannot parse.
+_EVENT_ID = re.compile(r"[0-9]{1,18}")
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+# What nginx logs for "client closed request"; no client reads it.
+CLIENT_CLOSED_REQUEST = 499
+
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _ctx(request: Request) -> ApiContext:
     return request.state.ctx
 
 
+def _until_client_leaves(handler: Handler) -> Handler:
+    """A client that leaves before its answer is routine, not an error: one INFO line, no
+    traceback. Whatever it started is undone on the way here: an admission whose enqueue was
+    interrupted is released (`_submit`), a request it left is cancelled (`collect_while_connected`,
+    `SubscriptionStream`)."""
+
+    @functools.wraps(handler)
+    async def handle(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ClientDisconnect:
+            log.info("client left before its answer: %s %s", request.method, request.url.path)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    return handle
+
+
+@_until_client_leaves
 async def completions(request: Request) -> Response:
     ctx = _ctx(request)
     principal = await authenticate(request, ctx)
     body = parse_body(CompletionBody, await read_body(request, ctx.settings.max_request_body_bytes))
     queued = await admission.admit_completion(ctx, principal, body)
-    return await _respond(ctx, queued, body)
+    return await _respond(request, ctx, queued, body)
 
 
+@_until_client_leaves
 async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     principal = await authenticate(request, ctx)
     body = parse_body(ChatBody, await read_body(request, ctx.settings.max_request_body_bytes))
     queued = await admission.admit_chat(ctx, principal, body)
-    return await _respond(ctx, queued, body)
+    return await _respond(request, ctx, queued, body)
 
 
-async def _respond(ctx: ApiContext, queued: QueuedRequest, body: GenerationBody) -> Response:
+async def _respond(
+    request: Request, ctx: ApiContext, queued: QueuedRequest, body: GenerationBody
+) -> Response:
     subscription = await _submit(ctx, queued)
     fmt = chunk_format(subscription, body.model, body.include_usage)
     headers = {"X-Request-Id": queued.request_id}
     if body.stream:
-        return EventSourceResponse(
-            sse_events(subscription, fmt), headers=headers, ping=ctx.settings.stream_keepalive_s
+        return SubscriptionStream(
+            subscription, fmt, headers=headers, ping=ctx.settings.stream_keepalive_s
         )
-    return JSONResponse(await collect(subscription, fmt), headers=headers)
+    answer = await collect_while_connected(subscription, fmt, request.receive)
+    return JSONResponse(answer, headers=headers)
 
 
 async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription:
@@ -81,33 +113,38 @@ async def request_events(request: Request) -> Response:
     ctx = _ctx(request)
     principal = await authenticate(request, ctx)
     request_id = request.path_params["request_id"]
-    last_event_id = request.headers.get("last-event-id", request.query_params.get("last_event_id"))
-    next_seq = _next_seq(last_event_id)
-    subscription = await broker.resume(
-        ctx.redis,
-        ctx.journal,
-        request_id,
-        principal.tenant_id,
-        next_seq,
-        broker.StreamTiming.of(ctx.settings),
-    )
+    if (last_event_id := request.headers.get("last-event-id")) is not None:
+        next_seq = _next_seq(last_event_id, param="Last-Event-ID")
+    else:
+        next_seq = _next_seq(request.query_params.get("last_event_id"), param="last_event_id")
+    info = await broker.request_info(ctx.journal, request_id, principal.tenant_id)
     # Another tenant's request and one that does not exist (or expired) look the same.
-    if subscription is None:
+    if info is None:
         raise not_found(f"No stream for request `{request_id}`.")
+    limits = resume_slots.ResumeLimits.of(ctx.settings)
+    slot = await resume_slots.acquire(ctx.redis, limits, request_id, principal.tenant_id)
+    try:
+        timing = broker.StreamTiming.of(ctx.settings)
+        subscription = await broker.resume(ctx.redis, ctx.journal, info, next_seq, timing)
+    except BaseException:
+        await slot.release()
+        raise
     include_usage = request.query_params.get("include_usage", "false").lower() == "true"
-    fmt = chunk_format(subscription, subscription.info.model, include_usage)
-    return EventSourceResponse(
-        sse_events(subscription, fmt),
+    fmt = chunk_format(subscription, info.model, include_usage)
+    return SubscriptionStream(
+        subscription,
+        fmt,
+        holding=slot,
         headers={"X-Request-Id": request_id},
         ping=ctx.settings.stream_keepalive_s,
     )
 
 
-def _next_seq(last_event_id: str | None) -> int:
+def _next_seq(last_event_id: str | None, *, param: str) -> int:
     if last_event_id is None:
         return 0
-    if not last_event_id.isdigit():
-        raise bad_request("Last-Event-ID must be the `id` of an event of this stream.")
+    if not _EVENT_ID.fullmatch(last_event_id):
+        raise bad_request(f"`{param}` must be the `id` of an event of this stream.", param=param)
     return int(last_event_id) + 1
 
 
@@ -161,7 +198,10 @@ async def usage_report(request: Request) -> Response:
     principal = await authenticate(request, ctx)
     start, end = _day_param(request, "start"), _day_param(request, "end")
     if end < start:
-        raise bad_request("`end` is before `start`.")
+        raise bad_request("`end` is before `start`.", param="end")
+    max_num_days = ctx.settings.max_usage_report_days
+    if (end - start).days + 1 > max_num_days:
+        raise bad_request(f"The range spans more than {max_num_days} days.", param="end")
     rows = await run_in_threadpool(usage.totals, ctx.engine, start, end, principal.tenant_id)
     data = [
         {
@@ -181,9 +221,12 @@ async def usage_report(request: Request) -> Response:
 
 
 def _day_param(request: Request, name: str) -> date:
-    value = request.query_params.get(name)
+    # `date.fromisoformat` alone also takes `20260310`, `2026-W10-2` and non-ASCII digits.
+    value = request.query_params.get(name) or ""
     try:
-        return date.fromisoformat(value or "")
+        if not _DAY.fullmatch(value):
+            raise ValueError(value)
+        return date.fromisoformat(value)
     except ValueError:
         raise bad_request(f"`{name}` must be a date, YYYY-MM-DD.", param=name) from None
 

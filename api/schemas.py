@@ -1,13 +1,40 @@
-"""Request bodies of the OpenAI-compatible endpoints, validated with pydantic."""
+"""Request bodies of the OpenAI-compatible endpoints, validated with pydantic.
+
+Numbers are bounded so that whatever passes, the worker can use: no NaN or infinity, a seed
+that fits torch's generator, a temperature that cannot overflow the logits (float32 logits
+of ~30 divided by 5e-324 are infinite, and the step fails). Fields of OpenAI's API (and
+vLLM's extensions) that llmfleet does not honour are refused, 400 `unsupported_parameter`,
+unless they hold the value that asks for nothing (`NO_OP_VALUES`: `n: 1`, `echo: false`,
+`logprobs: null`, ...), which frameworks send even when unset. Other unknown fields are
+ignored, as OpenAI's and vLLM's APIs do.
+"""
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+import json
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
 from api.errors import APIError, bad_request
+
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
+# Below it (and above 0, greedy) a temperature is refused: float32 logits divided by 1e-40
+# overflow. 0.01 keeps them finite for any logit below 3e36 and is, in effect, greedy.
+MIN_TEMPERATURE = 0.01
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
 
 class StreamOptions(BaseModel):
@@ -17,20 +44,63 @@ class StreamOptions(BaseModel):
 class GenerationBody(BaseModel):
     """Fields common to completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
+
+    # Parameters llmfleet does not honour, each with the values that ask for nothing.
+    NO_OP_VALUES: ClassVar[dict[str, tuple[object, ...]]] = {
+        "n": (1, None),
+        "logit_bias": (None, {}),
+        "presence_penalty": (None, 0),
+        "frequency_penalty": (None, 0),
+        "repetition_penalty": (None, 1),  # vLLM's extensions from here on
+        "min_p": (None, 0),
+        "min_tokens": (None, 0),
+        "use_beam_search": (None, False),
+    }
 
     model: str = Field(validation_alias=AliasChoices("model", "model_id"), min_length=1)
-    max_tokens: int | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0, le=MAX_INT32)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=MAX_INT32)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     ignore_eos: bool = False  # extension, for benchmarks: generate exactly max_tokens
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=16)  # extension (vLLM's)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=16)  # vLLM's
+    n: Any = 1
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    use_beam_search: Any = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise PydanticCustomError(
+                "temperature_too_small",
+                "must be 0 (greedy) or at least {minimum}",
+                {"minimum": MIN_TEMPERATURE},
+            )
+        return value
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_op_if_unsupported(cls, value: object, info: ValidationInfo) -> object:
+        no_op_values = cls.NO_OP_VALUES.get(info.field_name or "")
+        if no_op_values is not None and value not in no_op_values:
+            allowed = " or ".join(json.dumps(v) for v in no_op_values)
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "not supported by this API; leave it out, or send {allowed}",
+                {"allowed": allowed},
+            )
+        return value
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -45,7 +115,19 @@ class GenerationBody(BaseModel):
 
 
 class CompletionBody(GenerationBody):
+    NO_OP_VALUES: ClassVar[dict[str, tuple[object, ...]]] = {
+        **GenerationBody.NO_OP_VALUES,
+        "logprobs": (None,),  # 0 asks for the sampled tokens' log probabilities
+        "echo": (None, False),
+        "best_of": (None, 1),
+        "suffix": (None, ""),
+    }
+
     prompt: str | list[int]
+    logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -71,8 +153,32 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(GenerationBody):
+    NO_OP_VALUES: ClassVar[dict[str, tuple[object, ...]]] = {
+        **GenerationBody.NO_OP_VALUES,
+        "logprobs": (None, False),
+        "top_logprobs": (None, 0),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+        "audio": (None,),
+        "modalities": (None, ["text"]),
+        "prediction": (None,),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, gt=0)
+    max_completion_tokens: int | None = Field(default=None, gt=0, le=MAX_INT32)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -99,7 +205,8 @@ def _to_api_error(exc: ValidationError) -> APIError:
     message = first["msg"]
     if param:
         message = f"{param}: {message}"
-    return bad_request(message, param=param, code="invalid_value")
+    code = "unsupported_parameter" if first["type"] == "unsupported_parameter" else "invalid_value"
+    return bad_request(message, param=param, code=code)
 
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:

@@ -6,9 +6,17 @@ the last content chunk has `finish_reason` without holding any chunk back.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+
+import anyio
+from sse_starlette import EventSourceResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from api.broker import Subscription
 from api.errors import APIError
@@ -83,6 +91,34 @@ async def sse_events(subscription: Subscription, fmt: ChunkFormat) -> AsyncItera
         await subscription.close()
 
 
+class SubscriptionStream(EventSourceResponse):
+    """The SSE response of one subscription, which it closes however the response ends:
+    `sse_events` closes it too, but only once it has started, and a client that leaves at
+    once can end the response before the generator ever runs (an async generator never
+    started runs no `finally`: the pub/sub connection stayed open and the request ran to
+    its end). `holding`, if given, is entered for the response's whole life (a resume
+    stream's slot)."""
+
+    def __init__(
+        self,
+        subscription: Subscription,
+        fmt: ChunkFormat,
+        *,
+        holding: AbstractAsyncContextManager | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(sse_events(subscription, fmt), **kwargs)
+        self.subscription = subscription
+        self.holding = holding
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(self.subscription.close)
+            if self.holding is not None:
+                await stack.enter_async_context(self.holding)
+            await super().__call__(scope, receive, send)
+
+
 def _chunks(
     event: TokenEvent | FinalEvent | ErrorEvent, fmt: ChunkFormat, *, is_first: bool
 ) -> list[dict]:
@@ -103,13 +139,37 @@ async def collect(subscription: Subscription, fmt: ChunkFormat) -> dict:
     try:
         async for event in subscription.events():
             if isinstance(event, ErrorEvent):
-                raise APIError(500, event.message, type="server_error", code=event.code)
+                status, error_type = _error_status(event)
+                raise APIError(status, event.message, type=error_type, code=event.code)
             parts.append(event.text)
             if isinstance(event, FinalEvent):
                 return _completion_body(fmt, "".join(parts), event)
     finally:
         await subscription.close()
     raise APIError(500, "The request ended without a result.", type="server_error")
+
+
+async def collect_while_connected(
+    subscription: Subscription, fmt: ChunkFormat, receive: Receive
+) -> dict:
+    """`collect`, given up as soon as the client disconnects (raises `ClientDisconnect`):
+    the subscription is then closed unfinished, which cancels the request exactly as when
+    a streaming client leaves, so it is billed for what was computed and delivered."""
+    with anyio.CancelScope() as scope:
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, scope))
+        try:
+            return await collect(subscription, fmt)
+        finally:
+            watcher.cancel()
+    raise ClientDisconnect()
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    # The body was read whole before the request was admitted, so the next message the
+    # server has for this request is its disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 def _completion_body(fmt: ChunkFormat, text: str, final: FinalEvent) -> dict:
@@ -140,11 +200,22 @@ def _usage_json(usage: Usage) -> dict:
     }
 
 
+# Errors a worker finds in the request itself (worker/runner/guard.py), which the API's
+# schema should have refused: the client's fault, so 400; every other end is the server's.
+REQUEST_ERROR_CODES = frozenset({"invalid_sampling_params", "invalid_prompt"})
+
+
+def _error_status(event: ErrorEvent) -> tuple[int, str]:
+    if event.code in REQUEST_ERROR_CODES:
+        return 400, "invalid_request_error"
+    return 500, "server_error"
+
+
 def _error_json(event: ErrorEvent) -> dict:
     return {
         "error": {
             "message": event.message,
-            "type": "server_error",
+            "type": _error_status(event)[1],
             "param": None,
             "code": event.code,
         }

@@ -67,6 +67,7 @@ class CostRunner:
 
     clock: VirtualClock
     cost: StepCost
+    vocab_size: int = 2**31  # the workloads' token ids are all in the vocabulary
 
     def execute(self, out: SchedulerOutput) -> list[int]:
         self.clock.sleep(self.cost.of(out))

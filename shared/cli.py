@@ -89,6 +89,10 @@ def api(
         log_config=logs.logging_config(settings.log_level, settings.log_format),
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=10,
+        # uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise; here only
+        # from the proxies configured, so a client cannot pick the address it is throttled by.
+        proxy_headers=settings.forwarded_allow_ips is not None,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
     )
 
 
@@ -265,7 +269,9 @@ MaxTokensPerRequest = Annotated[
 RetentionDays = Annotated[
     int | None,
     typer.Option(
-        "--retention-days", min=0, help="Days prompts and outputs are kept; 0 = not stored."
+        "--retention-days",
+        min=0,
+        help="Days prompts and outputs are kept (at most 36500); 0 = not stored.",
     ),
 ]
 
@@ -300,10 +306,11 @@ def tenant_create(
     max_tokens_per_request: MaxTokensPerRequest = None,
     retention_days: RetentionDays = None,
 ) -> None:
-    """Create a tenant and print its API key (shown this once). Limits default to unlimited."""
+    """Create a tenant and print its API key (shown this once). A limit not given takes its
+    default (LLMFLEET_DEFAULT_MAX_REQUESTS_IN_FLIGHT, _QUEUED; the others unlimited)."""
     from shared import tenants
 
-    limits = _limit_changes(max_in_flight, max_queued, tpm, rpm, max_tokens_per_request)
+    given = _limit_changes(max_in_flight, max_queued, tpm, rpm, max_tokens_per_request)
     engine = _db()
     try:
         tenant = tenants.create_tenant(
@@ -311,7 +318,7 @@ def tenant_create(
             name,
             tier=tier,
             weight=weight,
-            limits=tenants.TenantLimits(**limits),
+            limits=tenants.limits_with_defaults(given, get_settings()),
             content_retention_days=retention_days or None,
         )
     except tenants.TenantNameTaken:

@@ -12,18 +12,22 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import Session, create_engine
 
 from shared import tables  # noqa: F401  (registers the tables on SQLModel.metadata)
+from shared.private_files import make_private_dir, touch_private
 from shared.settings import Settings
 
 
 def make_engine(settings: Settings) -> Engine:
     url = settings.database_url
     if url.startswith("sqlite"):
-        settings.home.mkdir(parents=True, exist_ok=True)
+        make_private_dir(settings.home)
+        if (path := make_url(url).database) and path != ":memory:":
+            # SQLite creates the file 0644; its -wal and -shm files take the file's mode.
+            touch_private(Path(path))
         timeout_s = settings.db_busy_timeout_s
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": timeout_s})
         event.listen(engine, "connect", functools.partial(_sqlite_pragmas, timeout_s=timeout_s))

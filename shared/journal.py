@@ -16,7 +16,15 @@ that publishes it. With the journal:
   delivery of the same entry, or a reaper racing the worker cannot add to a request that
   is ending, nor write the same `seq` twice (`XADD` refuses an id not above the last).
 
-The journal and the done marker expire `journal_ttl_s` after their last write.
+The journal and the done marker expire `journal_ttl_s` after their last write, with one
+exception: for a tenant that keeps no content (`content_retention_days` None) the journal
+holds output text the platform promised not to store, so once the terminal event is
+appended the journal and the request's meta hash expire after `resume_grace_s` instead (a
+client that lost its connection just before the end can still resume within it; after it,
+`GET /v1/requests/{id}/events` answers 404). We shorten the TTL rather than blank the
+texts: a resume inside the grace gets the whole answer, and expiry is Redis's own
+bookkeeping, with no sweeper to run. The done marker holds no content and keeps
+`journal_ttl_s`, so a late second delivery of the request is still refused.
 """
 
 from __future__ import annotations
@@ -44,8 +52,10 @@ redis.call('PUBLISH', ARGV[1], ARGV[3])
 return 1
 """
 
-# KEYS: journal stream, done marker. ARGV: channel, claimer, event JSON (its seq is replaced
-# by the next one), ttl s. Returns 1 if appended, 0 if someone else claimed the end.
+# KEYS: journal stream, done marker, meta hash. ARGV: channel, claimer, event JSON (its seq
+# is replaced by the next one), ttl s, then the journal's and meta hash's ttl s after the end
+# ('' : the journal keeps ttl s, the meta hash is left as it is). Returns 1 if appended, 0 if
+# someone else claimed the end.
 _APPEND_END_LUA = """
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then return 0 end
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
@@ -59,7 +69,12 @@ local event = cjson.decode(ARGV[3])
 event['seq'] = seq
 local data = cjson.encode(event)
 redis.call('XADD', KEYS[1], '0-' .. (seq + 1), 'e', data)
-redis.call('EXPIRE', KEYS[1], ARGV[4])
+if ARGV[5] == '' then
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+else
+  redis.call('EXPIRE', KEYS[1], ARGV[5])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 redis.call('PUBLISH', ARGV[1], data)
 return 1
@@ -73,16 +88,33 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end
 return 0
 """
 
+# KEYS: meta hash, done marker. ARGV: owner, ttl s. Nothing once the end is claimed: the
+# publisher marks a request started in the background, and such a late call must not
+# lengthen the meta hash's life after `append_end` shortened it.
+_SET_OWNER_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
 _RELEASE_END_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
 """
 
 
+DEFAULT_RESUME_GRACE_S = 60  # `Settings.resume_grace_s`
+
+
 class Journal:
-    def __init__(self, redis: aioredis.Redis, ttl_s: int) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, ttl_s: int, resume_grace_s: int = DEFAULT_RESUME_GRACE_S
+    ) -> None:
         self._redis = redis
         self.ttl_s = ttl_s
+        self.resume_grace_s = resume_grace_s
+        self._set_owner = redis.register_script(_SET_OWNER_LUA)
         self._append = redis.register_script(_APPEND_LUA)
         self._append_end = redis.register_script(_APPEND_END_LUA)
         self._release_end = redis.register_script(_RELEASE_END_LUA)
@@ -122,22 +154,38 @@ class Journal:
         await self._release_end(keys=[keys.request_done(request_id)], args=[claimer])
 
     async def append_end(
-        self, request_id: str, claimer: str, event: ErrorEvent | FinalEvent
+        self,
+        request_id: str,
+        claimer: str,
+        event: ErrorEvent | FinalEvent,
+        *,
+        keeps_content: bool = False,
     ) -> bool:
         """Append and publish the terminal event, after `claim_end`; its `seq` becomes the
-        one after the journal's last event."""
+        one after the journal's last event. The journal then lives `ttl_s` if the tenant
+        `keeps_content`, else only `resume_grace_s`, its meta hash with it (see above)."""
+        grace_s = "" if keeps_content else self.resume_grace_s
         result = await self._append_end(
-            keys=[keys.request_events(request_id), keys.request_done(request_id)],
-            args=[keys.request_channel(request_id), claimer, encode_event(event), self.ttl_s],
+            keys=[
+                keys.request_events(request_id),
+                keys.request_done(request_id),
+                keys.request_meta(request_id),
+            ],
+            args=[
+                keys.request_channel(request_id),
+                claimer,
+                encode_event(event),
+                self.ttl_s,
+                grace_s,
+            ],
         )
         return bool(result)
 
     async def set_owner(self, request_id: str, worker_id: str) -> None:
-        """The worker that pulled the request; an API replica checks that it is alive."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.request_meta(request_id), "owner", worker_id)
-            pipe.expire(keys.request_meta(request_id), self.ttl_s)
-            await pipe.execute()
+        """The worker that pulled the request; an API replica checks that it is alive. Does
+        nothing once the request's end is claimed."""
+        meta, done = keys.request_meta(request_id), keys.request_done(request_id)
+        await self._set_owner(keys=[meta, done], args=[worker_id, self.ttl_s])
 
     async def meta(self, request_id: str) -> dict[str, str]:
         """What the API stored when it enqueued the request (tenant_id, model, kind,

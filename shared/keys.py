@@ -29,6 +29,12 @@ Layout (all under the `llmfleet:` prefix):
 - `llmfleet:service:{model}`      hash with a TTL: tenant id -> tokens computed for the tenant per
                                   unit of its weight, by every worker of the model (the pool's
                                   fair-queuing counters, `worker/pool_service.py`).
+- `llmfleet:authfail:{address}`  string with a TTL: failed authentications from one client
+                                  address in the current window (`api/auth_throttle.py`).
+- `llmfleet:resume:{request_id}`  sorted set with a TTL: stream id -> lease expiry (unix s); the
+                                  resume streams open on the request (`api/resume_slots.py`).
+- `llmfleet:resume-tenant:{tenant}` sorted set with a TTL: the same, for all of a tenant's
+                                  requests.
 - `llmfleet:latency:{model}:{kind}` list: a model's latest TTFT or ITL samples (`kind` = `ttft` or
                                   `itl`), newest first, capped; workers write, `/dashboard` and
                                   `llmfleet status` read (`shared/latency_window.py`).
@@ -85,6 +91,10 @@ def tenant_buckets(tenant: str) -> str:
     return f"{PREFIX}:buckets:{tenant}"
 
 
+def auth_failures(address: str) -> str:
+    return f"{PREFIX}:authfail:{address}"
+
+
 def latency_samples(model: str, kind: str) -> str:
     return f"{PREFIX}:latency:{model}:{kind}"
 
@@ -103,3 +113,11 @@ def request_meta(request_id: str) -> str:
 
 def dead_letter(model: str) -> str:
     return f"{PREFIX}:dead:{model}"
+
+
+def request_resume_streams(request_id: str) -> str:
+    return f"{PREFIX}:resume:{request_id}"
+
+
+def tenant_resume_streams(tenant: str) -> str:
+    return f"{PREFIX}:resume-tenant:{tenant}"

@@ -4,7 +4,9 @@ Names follow vLLM's where they mean the same thing (`vllm:time_to_first_token_se
 `llmfleet_time_to_first_token_seconds` here), so a reader who knows vLLM's dashboards knows
 ours. Latency histograms are labelled by model and tier only; per-tenant series (queue
 depth, pending entries, preemptions) exist because tenants are a bounded set an operator
-administers (the SQL `Tenant` table), not an open one.
+administers (the SQL `Tenant` table), not an open one. They carry the tenant's id only, never
+its name: a scrape tells nobody who the customers are (`llmfleet tenant list` maps ids to
+names for an operator).
 
 Three groups, by the process that owns them:
 
@@ -177,7 +179,7 @@ class FleetCollector(Collector):
         self._fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        tenant_labels = ["model", "tenant", "tenant_name"]
+        tenant_labels = ["model", "tenant"]
         depth = GaugeMetricFamily(
             "llmfleet_queue_depth",
             "Entries on the tenant's stream: waiting for a worker plus taken, not acknowledged.",
@@ -200,7 +202,7 @@ class FleetCollector(Collector):
         )
         for model, snap in sorted(self._fleet.models.items()):
             for queue in snap.queues:
-                labels = [model, queue.tenant_id, self._fleet.tenant_name(queue.tenant_id)]
+                labels = [model, queue.tenant_id]
                 depth.add_metric(labels, queue.num_entries)
                 pending.add_metric(labels, queue.num_pending)
             for state, count in sorted(snap.num_workers_by_state().items()):

@@ -30,6 +30,12 @@ nothing used that also gives the request back. Only the call that removes the re
 from the in-flight set refunds, so a repeat (a redelivered entry, a release racing a
 worker that did get the entry) gives nothing back twice.
 
+The API admits in two steps (`api/admission.py`): `admit_request` checks the limits that
+need no tokens (in flight, queued, requests per minute) before the prompt is tokenized, so
+an over-limit tenant costs no tokenizing; `admit_tokens` takes the tokens once they are
+known. A request refused in between (a 400, or tokens per minute) gets its slots back by
+`free_slots` but still counts against requests per minute: it cost admission its work.
+
 Why not the `limits` library (limits.readthedocs.io): its strategies offer `hit`, `test`,
 `get_window_stats` and `clear`, one limit at a time. Checking several limits means
 `test` each then `hit` each: another replica can take the last unit in between, and
@@ -41,7 +47,7 @@ back part of a hit (settle) or undoes one (release), and it has no concurrency l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
@@ -170,14 +176,61 @@ async def admit(
     redis: aioredis.Redis, limits: TenantLimits, request: QueuedRequest, max_lifetime_s: float
 ) -> Refusal | None:
     """Check every limit and, only if all pass, take a slot and the request's reservation."""
+    return await _admit(
+        redis,
+        limits,
+        request.tenant_id,
+        request.request_id,
+        num_reserved_tokens(request),
+        max_lifetime_s,
+    )
+
+
+async def admit_request(
+    redis: aioredis.Redis,
+    limits: TenantLimits,
+    tenant_id: str,
+    request_id: str,
+    max_lifetime_s: float,
+) -> Refusal | None:
+    """The limits that need no tokens (in flight, queued, requests per minute), checked
+    before the prompt is tokenized: if all pass, take a slot and one request. The API then
+    either takes the tokens (`admit_tokens`) or refuses the request and `free_slots`."""
+    without_tokens = replace(limits, tokens_per_minute=None)
+    return await _admit(redis, without_tokens, tenant_id, request_id, 0, max_lifetime_s)
+
+
+async def admit_tokens(
+    redis: aioredis.Redis, limits: TenantLimits, request: QueuedRequest, max_lifetime_s: float
+) -> Refusal | None:
+    """After `admit_request`: take the request's reservation from its tokens per minute."""
+    tokens_only = TenantLimits(tokens_per_minute=limits.tokens_per_minute)
+    return await _admit(
+        redis,
+        tokens_only,
+        request.tenant_id,
+        request.request_id,
+        num_reserved_tokens(request),
+        max_lifetime_s,
+    )
+
+
+async def _admit(
+    redis: aioredis.Redis,
+    limits: TenantLimits,
+    tenant_id: str,
+    request_id: str,
+    num_tokens: int,
+    max_lifetime_s: float,
+) -> Refusal | None:
     allowed = _limits_by_name(limits)
     reply = await redis.register_script(_ADMIT_LUA)(
-        keys=_keys(request.tenant_id),
+        keys=_keys(tenant_id),
         args=[
-            request.request_id,
+            request_id,
             max_lifetime_s,
             *(-1 if value is None else value for value in allowed.values()),
-            num_reserved_tokens(request),
+            num_tokens,
         ],
     )
     limit, wait_ms = _text(reply[0]), int(reply[1])
@@ -201,6 +254,14 @@ async def settle(redis: aioredis.Redis, request: QueuedRequest, num_used_tokens:
 async def release(redis: aioredis.Redis, request: QueuedRequest) -> bool:
     """The request was admitted but never enqueued: undo its admission entirely."""
     return await _end(redis, request, num_reserved_tokens(request), num_requests=1)
+
+
+async def free_slots(redis: aioredis.Redis, tenant_id: str, request_id: str) -> bool:
+    """A request refused after `admit_request` (a bad prompt, too many tokens): free its
+    slots but give back no request, so every request that got that far, and cost the API
+    its tokenizing, counts against its tenant's requests per minute."""
+    reply = await redis.register_script(_SETTLE_LUA)(keys=_keys(tenant_id), args=[request_id, 0, 0])
+    return reply == 1
 
 
 async def _end(

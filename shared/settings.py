@@ -16,6 +16,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.private_files import make_private_dir, touch_private
+
 ADMIN_KEY_PREFIX = "lfadmin-"
 
 
@@ -37,15 +39,36 @@ class Settings(BaseSettings):
     # Bearer credential of the `/admin/v1` API. Without one, a random key is generated once
     # and kept in the home directory (development only); `llmfleet admin-key` prints it.
     admin_key: str | None = Field(default=None, min_length=16)
-    # Bearer credential Prometheus sends to the API's `/metrics` (which names tenants); unset,
-    # `/metrics` is open, as is usual on a network only the monitoring system reaches.
+    # Bearer credential Prometheus sends to the API's `/metrics`, which always requires one.
+    # Without one, a random token is generated once and kept in the home directory
+    # (`<home>/secrets/metrics_token`, development only); set it on every API replica alike.
     metrics_token: str | None = Field(default=None, min_length=16)
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # Reverse proxies whose `X-Forwarded-For` names the client (uvicorn's
+    # `forwarded_allow_ips`: comma-separated addresses or networks, or `*`). Unset, no proxy
+    # header is believed: the client address is the connection's peer.
+    forwarded_allow_ips: str | None = None
+    # Failed authentications (a wrong tenant or admin key) one client address may make per
+    # window before every request from it that presents a key, valid or not, gets 429 with
+    # `Retry-After` until the window ends (`api/auth_throttle.py`). Counted in Redis, so
+    # shared by every API replica; 0 turns the throttle off.
+    max_num_auth_failures: int = Field(default=30, ge=0)
+    auth_failure_window_s: int = Field(default=60, ge=1)
     max_request_body_bytes: int = 1_000_000
     max_stop_strings: int = 4
     max_stop_string_chars: int = 64
+    # A text prompt (a completion's `prompt`, or a chat's messages together) longer than this
+    # many characters per token of the model's context is refused (400 `prompt_too_long`)
+    # before it is tokenized, admission's costliest step (about 1 s per 900 KB). Text runs
+    # about 4 characters per token, so a prompt that fits the context never comes near it.
+    max_prompt_chars_per_context_token: int = Field(default=16, ge=1)
+    # Prompts are tokenized on threads of their own, off the event loop: at most this many at
+    # once, and at most `..._per_tenant` of them for one tenant, so one tenant's big prompts
+    # can hold neither the event loop nor every tokenizer thread (`api/context.py`).
+    max_num_tokenizer_threads: int = Field(default=4, ge=1)
+    max_num_tokenizer_threads_per_tenant: int = Field(default=2, ge=1)
     stream_keepalive_s: float = 15.0
     # A request not started this long after admission fails with `queue_timeout` (no GPU
     # used); one not finished this long after admission ends with finish reason `deadline`.
@@ -54,6 +77,10 @@ class Settings(BaseSettings):
     # How long an admitted request may hold its tenant's in-flight and queued slots before
     # admission drops it as leaked (an API or worker that crashed never released it).
     request_max_lifetime_s: float = 3600.0
+    # Limits a tenant gets when it is created without them (CLI, admin API); 0: unlimited.
+    # A limit given at creation, or set later, wins; the other limits start unlimited.
+    default_max_requests_in_flight: int = Field(default=64, ge=0)
+    default_max_requests_queued: int = Field(default=256, ge=0)
 
     worker_idle_poll_ms: int = 100
     worker_heartbeat_s: float = 2.0
@@ -68,9 +95,28 @@ class Settings(BaseSettings):
     # step exits (its running requests end `worker_lost`).
     broker_retry_s: float = 60.0
     # How long a request's journal (its events, for resume and recovery) outlives its last event.
+    # Each event renews it, so it bounds the silence of a running request, not its length; it
+    # is also the life of the request's meta hash (set at enqueue, renewed when a worker pulls
+    # it), which must outlast the queue wait (`request_queue_timeout_s`).
     journal_ttl_s: int = 3600
+    # For a tenant that keeps no content (`content_retention_days` unset): how long the
+    # journal, which holds the output text, and the meta hash outlive the terminal event. A
+    # client that lost its connection can resume within it; after it the text is gone from
+    # Redis (the append-only file keeps it until Redis next rewrites that file).
+    resume_grace_s: int = Field(default=60, ge=1)
     # An API stream that hears nothing this long checks the journal and the worker's heartbeat.
     stream_idle_check_s: float = 1.0
+    # Resume streams (`GET /v1/requests/{id}/events`) open at once, on one request and on all
+    # of one tenant's requests, over every API replica; one more gets 429
+    # `resume_streams_per_request_exceeded` / `resume_streams_per_tenant_exceeded` with
+    # `Retry-After` (`api/resume_slots.py`). Each holds a Redis connection and a socket.
+    max_num_resume_streams_per_request: int = Field(default=4, ge=1)
+    max_num_resume_streams_per_tenant: int = Field(default=64, ge=1)
+    # An open resume stream renews its slot every third of this; the slots of an API process
+    # that died without releasing them free themselves within it.
+    resume_stream_lease_s: float = Field(default=30.0, gt=0)
+    # The longest range `GET /v1/usage` reports, in days (both ends included); longer: 400.
+    max_usage_report_days: int = Field(default=366, ge=1)
     # SQLite only: how long a writer waits for another's lock before the write fails (the
     # control process then retries the usage job later; `shared/control.py`).
     db_busy_timeout_s: float = 30.0
@@ -138,6 +184,19 @@ class Settings(BaseSettings):
             _create_once(path, ADMIN_KEY_PREFIX + secrets.token_urlsafe(32))
         return path.read_text().strip()
 
+    @property
+    def metrics_token_path(self) -> Path:
+        return self.home / "secrets" / "metrics_token"
+
+    @cached_property
+    def metrics_secret(self) -> str:
+        """The `/metrics` token in effect: `LLMFLEET_METRICS_TOKEN`, else the generated one."""
+        if self.metrics_token:
+            return self.metrics_token
+        if not self.metrics_token_path.exists():
+            _create_once(self.metrics_token_path, secrets.token_urlsafe(32))
+        return self.metrics_token_path.read_text().strip()
+
     @field_validator("admin_key")
     @classmethod
     def _not_a_tenant_key(cls, value: str | None) -> str | None:
@@ -158,9 +217,8 @@ def _with_psycopg_driver(url: str) -> str:
 
 def _create_once(path: Path, text: str) -> None:
     """Atomically create a private file; a concurrent process that loses the race keeps ours."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.touch(mode=0o600)
+    make_private_dir(path.parent)
+    tmp = touch_private(path.with_suffix(f".{os.getpid()}.tmp"))
     tmp.write_text(text)
     try:
         os.link(tmp, path)

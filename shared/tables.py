@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
+from sqlalchemy import Index, column, func
 from sqlmodel import Field, SQLModel, UniqueConstraint
 
 
@@ -21,6 +22,10 @@ def new_id(prefix: str) -> str:
 
 
 class Tenant(SQLModel, table=True):
+    # Names are unique ignoring case too: `Acme` and `acme` would be two tenants an operator
+    # cannot tell apart in a listing (migration 0002).
+    __table_args__ = (Index("ux_tenant_name_lower", func.lower(column("name")), unique=True),)
+
     id: str = Field(default_factory=lambda: new_id("ten"), primary_key=True)
     name: str = Field(unique=True, index=True)
     tier: int = 1  # priority tier: higher wins contested admission into the batch

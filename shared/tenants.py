@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 
 from sqlalchemy.engine import Engine
@@ -18,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
 from shared.db import session_scope
+from shared.settings import Settings, get_settings
 from shared.tables import ApiKey, Tenant, utcnow
 
 KEY_PREFIX = "lf-"
@@ -30,8 +32,19 @@ LIMIT_FIELDS = (
 )
 # What an administrator may change on a tenant (its name and id are fixed).
 UPDATABLE_FIELDS = ("tier", "weight", *LIMIT_FIELDS, "content_retention_days", "is_disabled")
-# Settings are SQL INTEGER columns, 32-bit on PostgreSQL.
+# Settings and row ids are SQL INTEGER columns, 32-bit on PostgreSQL.
 MAX_SETTING_VALUE = 2**31 - 1
+# A hundred years. Far beyond any policy, and far enough from `datetime.max` (year 9999)
+# that a request's finish time plus its retention is always a date.
+MAX_RETENTION_DAYS = 36_500
+# One rule for the admin API and the CLI. Names appear in admin URLs: letters, digits, `.`,
+# `_`, `-`; no leading punctuation, so no `..`, `/` or whitespace, newlines included. They
+# are unique ignoring case (the `ux_tenant_name_lower` index).
+TENANT_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+TENANT_NAME_RULE = (
+    "must be 1 to 64 letters, digits, `.`, `_` or `-`, starting with a letter or digit"
+)
+_TENANT_NAME = re.compile(TENANT_NAME_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +109,7 @@ class IssuedKey:
 
 
 class TenantNameTaken(Exception):
-    pass
+    """The name, or the same name in another case, belongs to another tenant."""
 
 
 class InvalidTenantField(ValueError):
@@ -109,9 +122,40 @@ def hash_key(key: str, pepper: bytes) -> str:
     return hmac.new(pepper, key.encode(), hashlib.sha256).hexdigest()
 
 
+def is_valid_tenant_name(name: object) -> bool:
+    return isinstance(name, str) and _TENANT_NAME.fullmatch(name) is not None
+
+
+def check_tenant_name(name: object) -> None:
+    if not is_valid_tenant_name(name):
+        raise InvalidTenantField("name", TENANT_NAME_RULE)
+
+
+def default_limits(settings: Settings) -> TenantLimits:
+    """What a tenant created without limits gets: `Settings.default_max_requests_in_flight`
+    and `default_max_requests_queued` (0: unlimited); no rate limits."""
+    return TenantLimits(
+        max_requests_in_flight=settings.default_max_requests_in_flight or None,
+        max_requests_queued=settings.default_max_requests_queued or None,
+    )
+
+
+def limits_with_defaults(given: Mapping[str, int | None], settings: Settings) -> TenantLimits:
+    """The limits the operator gave, by field (None: unlimited), and the defaults for the
+    others: how the admin API and the CLI fill in a new tenant's limits."""
+    return replace(default_limits(settings), **given)
+
+
+def retention_days_in_range(days: int) -> int:
+    """A stored retention within 0..`MAX_RETENTION_DAYS`: a value written before the cap
+    (or straight into SQL) keeps its tenant's usage recordable."""
+    return min(max(days, 0), MAX_RETENTION_DAYS)
+
+
 def check_tenant_fields(fields: Mapping[str, object]) -> None:
     """Raise InvalidTenantField unless every field is updatable and its value in range:
-    tier >= 0, weight >= 1, each limit >= 1 or None (unlimited), is_disabled a bool."""
+    tier >= 0, weight >= 1, each limit >= 1 or None (unlimited), content_retention_days
+    1..`MAX_RETENTION_DAYS` or None (not stored), is_disabled a bool."""
     for field, value in fields.items():
         if (problem := _field_problem(field, value)) is not None:
             raise InvalidTenantField(field, problem)
@@ -127,9 +171,10 @@ def _field_problem(field: str, value: object) -> str | None:
     if field == "content_retention_days" and value is None:
         return None  # prompts and outputs not stored
     low = 0 if field == "tier" else 1
-    if _is_int_in(value, low, MAX_SETTING_VALUE):
+    high = MAX_RETENTION_DAYS if field == "content_retention_days" else MAX_SETTING_VALUE
+    if _is_int_in(value, low, high):
         return None
-    return f"must be an integer from {low} to {MAX_SETTING_VALUE}"
+    return f"must be an integer from {low} to {high}"
 
 
 def _is_int_in(value: object, low: int, high: int) -> bool:
@@ -142,10 +187,15 @@ def create_tenant(
     *,
     tier: int = 1,
     weight: int = 1,
-    limits: TenantLimits = TenantLimits(),
+    limits: TenantLimits | None = None,
     content_retention_days: int | None = None,
 ) -> Tenant:
-    """Create a tenant; TenantNameTaken if the name is in use (the unique index decides races)."""
+    """Create a tenant; `limits` are kept as given (None fields: unlimited), and left out
+    they are `default_limits`. InvalidTenantField for a bad name or value; TenantNameTaken
+    if the name is in use in any case (a unique index on lower(name) decides races)."""
+    check_tenant_name(name)
+    if limits is None:
+        limits = default_limits(get_settings())
     settings = {"tier": tier, "weight": weight, "content_retention_days": content_retention_days}
     check_tenant_fields({**settings, **asdict(limits)})
     with session_scope(engine) as session:
@@ -217,8 +267,11 @@ def list_keys(engine: Engine, tenant_id: str) -> list[KeyInfo]:
 
 
 def revoke_key(engine: Engine, key_id: int) -> KeyInfo | None:
-    """Revoke a key for good; None if there is no such key. Revoking twice keeps the first
-    time. Every API replica refuses the key from its next request on."""
+    """Revoke a key for good; None if there is no such key (an id out of the column's range
+    included). Revoking twice keeps the first time. Every API replica refuses the key from
+    its next request on."""
+    if not _is_int_in(key_id, 1, MAX_SETTING_VALUE):
+        return None  # the driver would fail on it (SQLite: 64-bit, PostgreSQL: 32-bit)
     with session_scope(engine) as session:
         row = session.get(ApiKey, key_id)
         if row is None:

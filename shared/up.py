@@ -2,8 +2,9 @@
 
 Starts the embedded Redis (unless REDIS_URL is set), prepares the database, starts the API,
 the control process and one worker as child processes (logs under `<home>/logs/`), shows
-progress while the model loads, then prints the URL, a development API key and the admin key
-and waits for Ctrl-C.
+progress while the model loads, then prints the URL, a development API key, the admin key and
+where the metrics token is, and waits for Ctrl-C. Everything it and its children write under
+the home is readable by the user only (directories 0700, files 0600).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rich.markup import escape
 from shared import deployments, keys, tenants
 from shared.db import create_schema, make_engine
 from shared.model_source import DEFAULT_MODEL_ID
+from shared.private_files import PRIVATE_UMASK, make_private_dir, open_private_log, touch_private
 from shared.redis_server import EmbeddedRedis
 from shared.settings import Settings
 
@@ -47,12 +49,14 @@ class LocalStack:
         ).start()
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
-        log_dir = self.settings.home / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log = (log_dir / f"{name}.log").open("ab")
+        log = open_private_log(self.settings.home / "logs" / f"{name}.log")
         env = {**os.environ, **self.env_overrides, "LLMFLEET_HOME_DIR": str(self.settings.home)}
         process = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", *args], stdout=log, stderr=log, env=env
+            [sys.executable, "-m", "shared.cli", *args],
+            stdout=log,
+            stderr=log,
+            env=env,
+            umask=PRIVATE_UMASK,  # what the children write in the home is private too
         )
         self.children.append(process)
         return process
@@ -71,6 +75,10 @@ class LocalStack:
 
 
 def run_local(settings: Settings, *, model: str, batching: str) -> None:
+    # Every file this process writes under the home (secrets, the database) is 0600 and
+    # every directory 0700, whichever module creates it: the home holds prompts and keys.
+    os.umask(PRIVATE_UMASK)
+    make_private_dir(settings.home)
     stack = LocalStack(settings)
     console = stack.console
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the children on SIGTERM too
@@ -85,11 +93,12 @@ def run_local(settings: Settings, *, model: str, batching: str) -> None:
                     raise SystemExit(f"no deployment {model!r}; add it with `llmfleet model add`")
                 deployments.ensure_default(engine)
             key = _dev_key(settings, engine)
+            metrics_token = _metrics_token_source(settings)
         api = stack.spawn("api", "api")
         control = stack.spawn("control", "control")
         worker = stack.spawn("worker", "worker", "--model", model, "--batching", batching)
         _wait_until_ready(stack, api, worker, model)
-        _print_ready(console, settings, key, model)
+        _print_ready(console, settings, key, model, metrics_token)
         while all(p.poll() is None for p in (api, control, worker)):
             time.sleep(0.5)
         console.print("[red]a process exited; see the logs under[/red]", settings.home / "logs")
@@ -103,6 +112,15 @@ def _raise_keyboard_interrupt(*_args) -> None:
     raise KeyboardInterrupt
 
 
+def _metrics_token_source(settings: Settings) -> str:
+    """Where the `/metrics` token is, generating it now if it is ours to generate, so that
+    Prometheus can be pointed at the file before the first scrape."""
+    if settings.metrics_token:
+        return "LLMFLEET_METRICS_TOKEN"
+    _ = settings.metrics_secret  # creates the file
+    return str(settings.metrics_token_path)
+
+
 def _dev_key(settings: Settings, engine) -> str:
     """The development key, kept in the home directory so that `up` can print it every time."""
     path = settings.home / "secrets" / "dev_api_key"
@@ -114,9 +132,8 @@ def _dev_key(settings: Settings, engine) -> str:
         engine, DEV_TENANT
     )
     key = tenants.create_key(engine, tenant.id, settings.pepper)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch(mode=0o600)
-    path.write_text(key)
+    make_private_dir(path.parent)
+    touch_private(path).write_text(key)
     return key
 
 
@@ -175,11 +192,14 @@ def _answers_ping(url: str) -> bool:
         client.close()
 
 
-def _print_ready(console: Console, settings: Settings, key: str, model: str) -> None:
+def _print_ready(
+    console: Console, settings: Settings, key: str, model: str, metrics_token: str
+) -> None:
     url = f"http://{settings.api_host}:{settings.api_port}"
     console.print(f"\n[bold green]llmfleet is up[/bold green] at [bold]{url}[/bold]")
     console.print(f"development API key: [bold]{key}[/bold]")
     console.print(f"admin key (/admin/v1): [bold]{escape(settings.admin_secret)}[/bold]")
+    console.print(f"metrics token (/metrics): {metrics_token}", soft_wrap=True)
     console.print(f"status page: {url}/dashboard (asks for the admin key) · `llmfleet status`")
     console.print(f"logs: {settings.home / 'logs'}\n")
     console.print("try:")

@@ -21,6 +21,7 @@ from shared import ledger
 from shared.db import session_scope
 from shared.protocol import QueuedRequest, UsageEvent
 from shared.tables import InferenceRequest, ModelDeployment, RequestContent, UsageRecord
+from shared.tenants import retention_days_in_range
 
 _STATUS = {"stop": "completed", "length": "completed", "cancelled": "cancelled"}
 
@@ -113,8 +114,15 @@ def _content_row(event: UsageEvent, finished_at: datetime) -> RequestContent:
         tenant_id=event.tenant_id,
         prompt_token_ids_json=json.dumps(event.prompt_token_ids or []),
         output=event.output_text or "",
-        expires_at=finished_at + timedelta(days=event.content_retention_days or 0),
+        expires_at=_expires_at(finished_at, event.content_retention_days or 0),
     )
+
+
+def _expires_at(finished_at: datetime, retention_days: int) -> datetime:
+    # Tenant settings are capped, but an event may carry a value stored before the cap (or
+    # written straight into SQL): `timedelta` overflows past 999,999,999 days, a datetime
+    # past year 9999, and a job that raised would leave the request unbilled.
+    return finished_at + timedelta(days=retention_days_in_range(retention_days))
 
 
 def purge_expired_content(engine: Engine, now: datetime | None = None) -> int:
@@ -145,13 +153,15 @@ def totals(
 ) -> list[UsageTotal]:
     """Totals per tenant, model and day for requests finished from `start` to `end`, both
     days included; only `tenant_id`'s when given."""
-    since = _midnight(start)
-    until = _midnight(end + timedelta(days=1))
     query = (
         select(UsageRecord, ModelDeployment.model_id, ModelDeployment.version)
         .join(ModelDeployment, ModelDeployment.id == UsageRecord.deployment_id)
-        .where(UsageRecord.finished_at >= since, UsageRecord.finished_at < until)
+        .where(UsageRecord.finished_at >= _midnight(start))
     )
+    # The last day `date` holds (9999-12-31) has no next day to stop before: `end + 1 day`
+    # raised OverflowError there. Nothing finishes after it, so no upper bound is the same.
+    if end < date.max:
+        query = query.where(UsageRecord.finished_at < _midnight(end + timedelta(days=1)))
     if tenant_id is not None:
         query = query.where(UsageRecord.tenant_id == tenant_id)
     sums: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])

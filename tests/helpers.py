@@ -41,6 +41,17 @@ class SSEResult:
         return [ch.get("finish_reason") for c in self.chunks for ch in c.get("choices", [])]
 
 
+def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    """An OpenAI-style error body (`{"error": {message, type, param, code}}`) with `status`
+    and, given, `code`; the error."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

@@ -17,7 +17,7 @@ from shared import tenants
 from shared.cli import app as cli_app
 from shared.settings import Settings
 from tests.conftest import _stop, spawn_api
-from tests.helpers import auth
+from tests.helpers import assert_error, auth
 
 
 def _name(prefix: str = "adm") -> str:
@@ -52,15 +52,6 @@ def _models_status(url: str, key: str) -> int:
     return httpx.get(f"{url}/v1/models", headers=auth(key), timeout=30).status_code
 
 
-def _assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if code is not None:
-        assert error["code"] == code
-    return error
-
-
 # --- authentication of the admin API ---
 
 
@@ -77,23 +68,25 @@ def test_admin_api_refuses_without_the_admin_key(api_url, headers):
         ("DELETE", "/keys/1"),
     ]:
         response = httpx.request(method, f"{api_url}/admin/v1{path}", headers=headers, json={})
-        _assert_error(response, 401, "invalid_api_key")
+        assert_error(response, 401, "invalid_api_key")
 
 
 def test_a_tenant_key_is_not_an_admin_key_and_vice_versa(api_url, make_tenant, settings):
     _, tenant_key = make_tenant("notadmin")
-    _assert_error(httpx.get(f"{api_url}/admin/v1/tenants", headers=auth(tenant_key)), 401)
+    assert_error(httpx.get(f"{api_url}/admin/v1/tenants", headers=auth(tenant_key)), 401)
     assert _models_status(api_url, settings.admin_secret) == 401
 
 
 # --- tenants ---
 
 
-def test_create_tenant_returns_it_with_a_first_key_shown_once(admin, api_url):
+def test_create_tenant_returns_it_with_a_first_key_shown_once(admin, api_url, settings):
     created = _create(admin, tier=2, weight=3, tokens_per_minute=1000)
     assert created["object"] == "tenant" and created["id"].startswith("ten_")
     assert (created["tier"], created["weight"], created["tokens_per_minute"]) == (2, 3, 1000)
-    assert created["max_requests_in_flight"] is None and created["is_disabled"] is False
+    # a limit not given takes its default
+    assert created["max_requests_in_flight"] == settings.default_max_requests_in_flight
+    assert created["is_disabled"] is False
     key = created["api_key"]["key"]
     assert key.startswith("lf-") and created["api_key"]["prefix"] == key[:8]
     assert _models_status(api_url, key) == 200
@@ -137,7 +130,11 @@ def test_update_changes_only_the_given_fields_and_null_clears_a_limit(admin, db,
     # what admission will see on the tenant's next request
     principal = tenants.authenticate(db, key, settings.pepper)
     assert (principal.tier, principal.weight) == (0, 4)
-    assert principal.limits == tenants.TenantLimits(max_requests_queued=5, tokens_per_minute=99)
+    assert principal.limits == tenants.TenantLimits(
+        max_requests_in_flight=settings.default_max_requests_in_flight,
+        max_requests_queued=5,
+        tokens_per_minute=99,
+    )
 
 
 def test_update_bumps_updated_at(db):
@@ -149,7 +146,7 @@ def test_update_bumps_updated_at(db):
 def test_duplicate_tenant_name_is_409(admin):
     created = _create(admin)
     response = admin.post("/tenants", json={"name": created["name"], "tier": 5})
-    assert _assert_error(response, 409, "tenant_exists")["param"] == "name"
+    assert assert_error(response, 409, "tenant_exists")["param"] == "name"
     assert admin.get(f"/tenants/{created['name']}").json()["tier"] == 1
 
 
@@ -173,7 +170,7 @@ def test_duplicate_tenant_name_is_409(admin):
 )
 def test_invalid_create_is_400_and_creates_nothing(admin, fields, param):
     body = {"name": _name(), **fields}
-    error = _assert_error(admin.post("/tenants", json=body), 400, "invalid_value")
+    error = assert_error(admin.post("/tenants", json=body), 400, "invalid_value")
     assert error["param"] == param
     if "name" not in fields:
         assert admin.get(f"/tenants/{body['name']}").status_code == 404
@@ -181,7 +178,7 @@ def test_invalid_create_is_400_and_creates_nothing(admin, fields, param):
 
 def test_malformed_json_is_400(admin):
     response = admin.post("/tenants", content=b"{not json")
-    _assert_error(response, 400, "invalid_json")
+    assert_error(response, 400, "invalid_json")
 
 
 @pytest.mark.parametrize(
@@ -198,7 +195,7 @@ def test_malformed_json_is_400(admin):
 def test_invalid_update_is_400_and_changes_nothing(admin, fields, param):
     created = _create(admin, requests_per_minute=7)
     name = created["name"]
-    error = _assert_error(admin.patch(f"/tenants/{name}", json=fields), 400)
+    error = assert_error(admin.patch(f"/tenants/{name}", json=fields), 400)
     assert error["param"] == param
     after = admin.get(f"/tenants/{name}").json()
     assert (after["weight"], after["tier"], after["requests_per_minute"]) == (1, 1, 7)
@@ -207,12 +204,12 @@ def test_invalid_update_is_400_and_changes_nothing(admin, fields, param):
 
 def test_unknown_tenant_or_key_is_404(admin):
     missing = _name("missing")
-    _assert_error(admin.get(f"/tenants/{missing}"), 404, "tenant_not_found")
-    _assert_error(admin.patch(f"/tenants/{missing}", json={"tier": 2}), 404, "tenant_not_found")
-    _assert_error(admin.post(f"/tenants/{missing}/keys"), 404, "tenant_not_found")
-    _assert_error(admin.get(f"/tenants/{missing}/keys"), 404, "tenant_not_found")
-    _assert_error(admin.delete("/keys/999999999"), 404, "not_found")
-    _assert_error(admin.delete("/keys/not-a-number"), 404)
+    assert_error(admin.get(f"/tenants/{missing}"), 404, "tenant_not_found")
+    assert_error(admin.patch(f"/tenants/{missing}", json={"tier": 2}), 404, "tenant_not_found")
+    assert_error(admin.post(f"/tenants/{missing}/keys"), 404, "tenant_not_found")
+    assert_error(admin.get(f"/tenants/{missing}/keys"), 404, "tenant_not_found")
+    assert_error(admin.delete("/keys/999999999"), 404, "not_found")
+    assert_error(admin.delete("/keys/not-a-number"), 404)
 
 
 # --- keys ---

@@ -18,7 +18,7 @@ from sqlmodel import Session, func, select
 
 from shared import deployments, keys
 from shared.tables import Tenant, UsageRecord
-from tests.helpers import auth, wait_for_usage_record
+from tests.helpers import assert_error, auth, wait_for_usage_record
 
 UNSERVED_MODEL = "tiny-llama-unserved"
 
@@ -72,14 +72,6 @@ def _admit_and_hang_up(api_url: str, key: str, body: dict) -> str:
         return response.headers["x-request-id"]
 
 
-def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and error["code"] == code
-    return error
-
-
 def _num_usage_records(db, tenant_id: str) -> int:
     with Session(db) as session:
         return session.exec(
@@ -106,7 +98,7 @@ def test_over_a_limit_is_429_with_retry_after_and_nothing_enqueued(
     assert rdb.xlen(stream) == 1
 
     response = _post(api_url, key, body)
-    error = _assert_error(response, 429, code)
+    error = assert_error(response, 429, code)
     assert error["type"] == "rate_limit_error" and error["param"] is None
     assert 1 <= int(response.headers["retry-after"]) <= max_retry_after_s
     assert rdb.xlen(stream) == 1
@@ -119,7 +111,7 @@ def test_max_tokens_over_the_per_request_limit_is_400(
 ):
     tenant_id, key = limited_tenant(max_tokens_per_request=8)
     response = _post(api_url, key, {"model": UNSERVED_MODEL, "prompt": "hi", "max_tokens": 9})
-    assert _assert_error(response, 400, "max_tokens_exceeds_limit")["param"] == "max_tokens"
+    assert assert_error(response, 400, "max_tokens_exceeds_limit")["param"] == "max_tokens"
     assert not rdb.exists(keys.tenant_stream(UNSERVED_MODEL, tenant_id))
     assert not rdb.exists(keys.tenant_inflight(tenant_id))
 
@@ -129,7 +121,7 @@ def test_a_request_larger_than_tokens_per_minute_is_400_not_429(
 ):
     tenant_id, key = limited_tenant(tokens_per_minute=20)
     response = _post(api_url, key, {"model": UNSERVED_MODEL, "prompt": "hi", "max_tokens": 50})
-    assert _assert_error(response, 400, "request_exceeds_tokens_per_minute")["param"]
+    assert assert_error(response, 400, "request_exceeds_tokens_per_minute")["param"]
     assert "retry-after" not in response.headers
     assert not rdb.exists(keys.tenant_stream(UNSERVED_MODEL, tenant_id))
     assert not rdb.exists(keys.tenant_inflight(tenant_id), keys.tenant_buckets(tenant_id))
@@ -179,7 +171,7 @@ def test_unused_tokens_come_back_when_a_request_ends(
         # its reservation, so a second request of the same size does not fit.
         assert _wait_until(lambda: rdb.zscore(keys.tenant_queued(tenant_id), request_id) is None)
         assert rdb.zscore(keys.tenant_inflight(tenant_id), request_id) is not None
-        _assert_error(
+        assert_error(
             _post(api_url, key, {**body, "stream": False}), 429, "tokens_per_minute_exceeded"
         )
     # Hanging up cancelled it; the worker settles what it did not use.

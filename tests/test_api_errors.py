@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from shared import keys
-from tests.helpers import auth
+from tests.helpers import assert_error, auth
 
 
 @pytest.fixture
@@ -19,16 +19,6 @@ def _assert_nothing_enqueued(rdb, tenant_id: str, model: str) -> None:
     assert not rdb.sismember(keys.model_tenants(model), tenant_id)
 
 
-def _assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    if code is not None:
-        assert error["code"] == code
-    return error
-
-
 @pytest.mark.parametrize(
     "headers",
     [{}, {"Authorization": "Bearer lf-not-a-real-key"}, {"Authorization": "Basic abc"}],
@@ -37,7 +27,7 @@ def _assert_error(response: httpx.Response, status: int, code: str | None = None
 def test_bad_key_is_401(api_url, tiny_deployment, headers):
     body = {"model": tiny_deployment.model_id, "prompt": "hi"}
     response = httpx.post(f"{api_url}/v1/completions", json=body, headers=headers)
-    _assert_error(response, 401, "invalid_api_key")
+    assert_error(response, 401, "invalid_api_key")
     assert httpx.get(f"{api_url}/v1/models", headers=headers).status_code == 401
 
 
@@ -45,7 +35,7 @@ def test_unknown_model_is_404_and_nothing_enqueued(api_url, rdb, tenant):
     tenant_id, key = tenant
     body = {"model": "no-such-model", "prompt": "hi"}
     response = httpx.post(f"{api_url}/v1/completions", json=body, headers=auth(key))
-    error = _assert_error(response, 404, "model_not_found")
+    error = assert_error(response, 404, "model_not_found")
     assert error["param"] == "model"
     _assert_nothing_enqueued(rdb, tenant_id, "no-such-model")
 
@@ -75,7 +65,7 @@ def test_invalid_body_is_400_and_nothing_enqueued(
     response = httpx.post(
         f"{api_url}/v1/completions", json={"model": model, **body}, headers=auth(key)
     )
-    error = _assert_error(response, 400)
+    error = assert_error(response, 400)
     assert error["param"] == param
     _assert_nothing_enqueued(rdb, tenant_id, model)
 
@@ -84,7 +74,7 @@ def test_context_overflow_names_the_limit(api_url, rdb, tenant, tiny_deployment)
     tenant_id, key = tenant
     body = {"model": tiny_deployment.model_id, "prompt": "hello " * 1000, "max_tokens": 100}
     response = httpx.post(f"{api_url}/v1/completions", json=body, headers=auth(key))
-    error = _assert_error(response, 400, "context_length_exceeded")
+    error = assert_error(response, 400, "context_length_exceeded")
     assert str(tiny_deployment.max_context_tokens) in error["message"]
     _assert_nothing_enqueued(rdb, tenant_id, tiny_deployment.model_id)
 
@@ -96,7 +86,7 @@ def test_malformed_json_is_400(api_url, rdb, tenant, tiny_deployment):
         content=b'{"model": "tiny-llama", "prompt": ',
         headers={**auth(key), "content-type": "application/json"},
     )
-    _assert_error(response, 400, "invalid_json")
+    assert_error(response, 400, "invalid_json")
     _assert_nothing_enqueued(rdb, tenant_id, tiny_deployment.model_id)
 
 
@@ -104,24 +94,24 @@ def test_chat_without_messages_is_400(api_url, tenant, tiny_deployment):
     _, key = tenant
     body = {"model": tiny_deployment.model_id, "messages": []}
     response = httpx.post(f"{api_url}/v1/chat/completions", json=body, headers=auth(key))
-    assert _assert_error(response, 400)["param"] == "messages"
+    assert assert_error(response, 400)["param"] == "messages"
 
 
 def test_oversized_body_is_413(api_url, tenant, tiny_deployment):
     _, key = tenant
     body = {"model": tiny_deployment.model_id, "prompt": "x" * 2_000_000}
     response = httpx.post(f"{api_url}/v1/completions", json=body, headers=auth(key))
-    _assert_error(response, 413, "request_too_large")
+    assert_error(response, 413, "request_too_large")
 
 
 def test_unknown_usage_is_404(api_url, tenant):
     _, key = tenant
     response = httpx.get(f"{api_url}/v1/requests/cmpl-nope/usage", headers=auth(key))
-    _assert_error(response, 404)
+    assert_error(response, 404)
 
 
 def test_unknown_route_is_openai_style_404(api_url):
-    _assert_error(httpx.get(f"{api_url}/v1/nothing-here"), 404)
+    assert_error(httpx.get(f"{api_url}/v1/nothing-here"), 404)
 
 
 def test_models_lists_deployments(api_url, tenant, tiny_deployment):

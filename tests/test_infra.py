@@ -72,10 +72,23 @@ def test_rules_read_only_metrics_that_exist():
 def test_scrape_config_names_the_rules_and_both_jobs():
     config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
     assert config["rule_files"] == ["alerts.yml"]
-    assert {job["job_name"] for job in config["scrape_configs"]} == {
-        "llmfleet-api",
-        "llmfleet-worker",
-    }
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"llmfleet-api", "llmfleet-worker"}
+    # the API's /metrics always needs its token
+    assert jobs["llmfleet-api"]["authorization"]["credentials_file"]
+
+
+def _config_with_token_file(tmp_path: Path) -> Path:
+    """A copy of infra/prometheus whose credentials file exists (promtool checks that it does)."""
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    token = tmp_path / "metrics-token"
+    token.write_text("t" * 32)
+    for job in config["scrape_configs"]:
+        if "authorization" in job:
+            job["authorization"]["credentials_file"] = str(token)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    shutil.copy(PROMETHEUS / "alerts.yml", tmp_path / "alerts.yml")
+    return tmp_path
 
 
 def test_grafana_dashboard_queries_metrics_that_exist():
@@ -116,11 +129,10 @@ def _promtool() -> str | None:
     ],
     ids=["check-config", "check-rules", "test-rules"],
 )
-def test_promtool(args):
+def test_promtool(args, tmp_path):
     promtool = _promtool()
     if promtool is None:
         pytest.skip("promtool not installed (`make promtool` extracts it from Debian's prometheus)")
-    result = subprocess.run(
-        [promtool, *args], cwd=PROMETHEUS, capture_output=True, text=True, timeout=60
-    )
+    cwd = _config_with_token_file(tmp_path) if args[:2] == ["check", "config"] else PROMETHEUS
+    result = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

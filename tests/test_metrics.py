@@ -166,6 +166,7 @@ def test_api_exposition_has_rejections_and_fleet_gauges():
         LatencySummary(0, None, None),
     )
     text = metrics.exposition(FleetSnapshot(0.0, {"m": snap}, {"ten_1": "acme"})).decode()
+    assert "acme" not in text  # tenants by id only, never by name
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -175,7 +176,7 @@ def test_api_exposition_has_rejections_and_fleet_gauges():
     assert samples[(rejections, (("reason", "requests_in_flight_exceeded"),))] == 1
     assert samples[(rejections, (("reason", "invalid_request_error"),))] == 1
     assert (rejections, (("reason", "server_error"),)) not in samples
-    tenant = (("model", "m"), ("tenant", "ten_1"), ("tenant_name", "acme"))
+    tenant = (("model", "m"), ("tenant", "ten_1"))
     assert samples[("llmfleet_queue_depth", tenant)] == 5
     assert samples[("llmfleet_queue_pending", tenant)] == 2
     assert samples[("llmfleet_workers", (("model", "m"), ("state", "ready")))] == 1
@@ -183,13 +184,14 @@ def test_api_exposition_has_rejections_and_fleet_gauges():
     assert snap.batch_occupancy == 0.25
 
 
-def _scrape(url: str) -> dict[str, list]:
-    text = httpx.get(url, timeout=10).text
-    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+def _scrape(url: str, token: str | None = None) -> dict[str, list]:
+    response = httpx.get(url, headers=auth(token) if token else None, timeout=10)
+    assert response.status_code == 200, response.text
+    return {f.name: f.samples for f in text_string_to_metric_families(response.text)}
 
 
 def test_api_metrics_endpoint_counts_rejections_and_queues(
-    api_url, tiny_worker, tiny_deployment, make_tenant
+    api_url, tiny_worker, tiny_deployment, make_tenant, settings
 ):
     tenant_id, key = make_tenant("metrics")
     missing = httpx.post(
@@ -200,13 +202,13 @@ def test_api_metrics_endpoint_counts_rejections_and_queues(
     assert missing.status_code == 404
     body = {"model": tiny_deployment.model_id, "prompt": "Hello", "max_tokens": 4}
     assert stream(api_url, "/v1/completions", key, body).has_done
-    families = _scrape(f"{api_url}/metrics")
+    families = _scrape(f"{api_url}/metrics", settings.metrics_secret)
     rejections = {s.labels["reason"]: s.value for s in families["llmfleet_request_rejections"]}
     assert rejections["model_not_found"] >= 1
     depths = {
         s.labels["tenant"]: s for s in families["llmfleet_queue_depth"] if s.name.endswith("depth")
     }
-    assert depths[tenant_id].labels["tenant_name"].startswith("metrics-")
+    assert set(depths[tenant_id].labels) == {"model", "tenant"}
     assert depths[tenant_id].value == 0  # acknowledged entries are deleted
     workers = families["llmfleet_workers"]
     assert any(s.labels == {"model": tiny_deployment.model_id, "state": "ready"} for s in workers)
@@ -256,9 +258,8 @@ def _request_with(authorization: str | None) -> Request:
     return Request({"type": "http", "method": "GET", "path": "/metrics", "headers": headers})
 
 
-def test_metrics_token_when_set():
+def test_metrics_token_is_checked():
     token = "metrics-token-0123456789"
-    _check_token(_request_with(None), None)  # unset: open
     _check_token(_request_with(f"Bearer {token}"), token)
     for presented in [None, f"Bearer {token}x", token, "Bearer "]:
         with pytest.raises(APIError) as refused:

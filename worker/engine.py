@@ -19,14 +19,19 @@ from typing import Protocol
 from worker.fair_queue import DEFAULT_QUANTUM_TOKENS, FairQueue, FifoQueue, ServiceUpdates
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
-from worker.runner import model_runner
+from worker.runner import guard, model_runner
 from worker.runner.loader import LoadedModel
 from worker.runner.model_runner import ModelRunner
 from worker.runner.padded_batch import PaddedBatch
-from worker.scheduler import Scheduler, SchedulerConfig
+from worker.runner.sampler import SamplingFailure
+from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 
 log = logging.getLogger("llmfleet.worker")
+
+# The error code of a sequence whose sampling failed in a step that went well for the rest.
+SAMPLING_ERROR = "sampling_error"
+NO_TOKEN = -1  # in place of a failed sample: `postprocess` skips a finished sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,8 @@ class StaticBatchEngine:
         self._last_token_ids: list[int] = []
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
+        if (error := guard.refusal(seq, self._loaded.vocab_size)) is not None:
+            return seq.refuse(error.code, error.message)
         self._waiting.append(seq)
         return None
 
@@ -183,12 +190,17 @@ class StaticBatchEngine:
         )
         return self._collect(self._batch.prefill())
 
-    def _collect(self, token_ids: list[int]) -> list[SequenceOutput]:
-        outputs = [
-            seq.append_token(token_id)
-            for seq, token_id in zip(self._running, token_ids, strict=True)
-            if not seq.is_finished
-        ]
+    def _collect(self, sampled: list[int | SamplingFailure]) -> list[SequenceOutput]:
+        outputs = []
+        token_ids = []
+        for seq, token in zip(self._running, sampled, strict=True):
+            if isinstance(token, SamplingFailure):
+                if not seq.is_finished:
+                    outputs.append(seq.refuse(SAMPLING_ERROR, token.message))
+                token = self._loaded.pad_token_id  # the row keeps its slot till the batch ends
+            elif not seq.is_finished:
+                outputs.append(seq.append_token(token))
+            token_ids.append(token)
         self._last_token_ids = token_ids
         self._end_batch_if_done()
         return outputs
@@ -205,6 +217,8 @@ class ContinuousBatchingEngine:
         self._runner = runner
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
+        if (error := guard.refusal(seq, self._runner.vocab_size)) is not None:
+            return seq.refuse(error.code, error.message)
         return self.scheduler.add(seq)
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
@@ -265,8 +279,32 @@ class ContinuousBatchingEngine:
         except Exception as exc:  # one request may break the model: find it, spare the rest
             log.exception("model step failed for %d sequences", len(out.chunks))
             return self._released(self.scheduler.step_failed(out, f"{type(exc).__name__}"))
-        outputs = self.scheduler.postprocess(out, sampled)
+        failed = self._take_out_failed_samples(out, sampled)
+        token_ids = [NO_TOKEN if isinstance(t, SamplingFailure) else t for t in sampled]
+        outputs = self.scheduler.postprocess(out, token_ids)
+        # After `postprocess`, so that the step's computed tokens count in their usage.
+        outputs += [seq.refuse(SAMPLING_ERROR, failure.message) for seq, failure in failed]
         for output in outputs:
             if output.is_finished:
                 self._runner.release(output.request_id)
         return outputs
+
+    def _take_out_failed_samples(
+        self, out: SchedulerOutput, sampled: list[int | SamplingFailure]
+    ) -> list[tuple[Sequence, SamplingFailure]]:
+        """The sequences whose sampling failed in a step whose forward pass went well, taken
+        out of the batch: everyone else keeps their token and nobody is recomputed (a failed
+        step would recompute them all, `Scheduler.step_failed`). `abort` is the scheduler's
+        way to end a sequence from outside a step: it frees the blocks and refunds what
+        was charged ahead; `postprocess` then skips the finished sequence, and the caller
+        replaces the cancel with the error."""
+        sampling = [chunk.seq for chunk in out.chunks if chunk.is_sampling]
+        failed = [
+            (seq, token)
+            for seq, token in zip(sampling, sampled, strict=True)
+            if isinstance(token, SamplingFailure) and not seq.is_finished
+        ]
+        if failed:
+            log.warning("sampling failed for %d of %d sequences", len(failed), len(sampling))
+            self.scheduler.abort({seq.request_id for seq, _ in failed})
+        return failed

@@ -190,7 +190,11 @@ class Publisher:
         if output.error is not None and output.error.code == "model_error":
             await self._dead_letter(request, output)
         final = self._final_event(output)
-        await retried(lambda: self._journal.append_end(request_id, me, final), "the final event")
+        keeps_content = bool(request.content_retention_days)  # None or 0: never stored
+        await retried(
+            lambda: self._journal.append_end(request_id, me, final, keeps_content=keeps_content),
+            "the final event",
+        )
         await retried(lambda: self._intake.ack(flight.entry), "the acknowledgement")
 
     async def _output_text(self, request: QueuedRequest, output: SequenceOutput) -> str | None:
@@ -202,7 +206,7 @@ class Publisher:
         return "".join(e.text for e in events if isinstance(e, TokenEvent)) + output.text
 
     async def _dead_letter(self, request: QueuedRequest, output: SequenceOutput) -> None:
-        fields = {**request.to_fields(), "error": output.error.message}
+        fields = dead_letter_fields(request, output)
         try:
             await self._redis.xadd(
                 keys.dead_letter(request.model), fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True
@@ -238,3 +242,28 @@ class Publisher:
                 completion_tokens=output.num_output_tokens,
             ),
         )
+
+
+def dead_letter_fields(request: QueuedRequest, output: SequenceOutput) -> dict[str, str]:
+    """A dead letter: who, what failed and how big it was, for every tenant; the request
+    itself (`body`: its prompt token ids, its stop strings), so that an operator can replay
+    the poison, only for a tenant that keeps content. The stream is capped by length, not
+    time, so a never-store tenant's prompt would otherwise outlive every promise."""
+    error = output.error
+    fields = {
+        "request_id": request.request_id,
+        "tenant_id": request.tenant_id,
+        "model": request.model,
+        "deployment_id": str(request.deployment_id),
+        "kind": request.kind,
+        "arrival_ts": str(request.arrival_ts),
+        "code": error.code if error is not None else "",
+        "error": error.message if error is not None else "",
+        "num_prompt_tokens": str(output.num_prompt_tokens),
+        "num_output_tokens": str(output.num_output_tokens),
+        "num_computed_tokens": str(output.num_computed_tokens),
+        "sampling": request.sampling.model_dump_json(exclude={"stop"}),
+    }
+    if request.content_retention_days:  # None or 0: never stored
+        fields |= request.to_fields()
+    return fields

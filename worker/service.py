@@ -104,7 +104,7 @@ class Worker:
                 is_fair=is_fair(self._config.engine),
                 preferred_tenants=self._config.preferred_tenants,
             )
-            journal = Journal(redis, self._settings.journal_ttl_s)
+            journal = Journal(redis, self._settings.journal_ttl_s, self._settings.resume_grace_s)
             publisher = Publisher(
                 redis, intake, journal, self.worker_id, self._settings.broker_retry_s
             )

@@ -21,6 +21,11 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     pad_token_id: int
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table: every input token id must be below it."""
+        return self.model.get_input_embeddings().num_embeddings
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

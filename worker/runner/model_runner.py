@@ -75,9 +75,14 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator | None] = {}
         self.fault_token_id: int | None = None  # chaos tests: a step holding it fails
 
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded.vocab_size
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Run the step; one sampled token per sampling chunk, in `out.chunks` order."""
+    def execute(self, out: SchedulerOutput) -> list[int | sampler.SamplingFailure]:
+        """Run the step; one sampled token per sampling chunk, in `out.chunks` order, or that
+        chunk's `SamplingFailure` (the forward pass is shared, sampling fails per sequence)."""
         # Decodes of similar length sit together so they can share one attention call; their
         # order within the step is free (postprocess follows `out.chunks`, this same list).
         out.decodes.sort(key=lambda chunk: chunk.end)

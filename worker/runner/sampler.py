@@ -1,15 +1,56 @@
-"""Per-request sampling: every row of a batch keeps its own temperature, top-p, top-k and seed."""
+"""Per-request sampling: every row of a batch keeps its own temperature, top-p, top-k and seed.
+
+Sampling is the one part of a step that belongs to a single sequence (the forward pass is
+shared), so it fails per sequence: a row whose parameters cannot be sampled gets a
+`SamplingFailure` instead of a token, and every other row keeps its token.
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from shared.protocol import SamplingParams
 
+# `torch.Generator.manual_seed` takes any 64-bit value, signed or unsigned (it wraps a
+# negative one); anything wider raises.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+# Below this a temperature's reciprocal overflows float32: no logit can be divided by it.
+MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFailure:
+    """A row that could not be sampled, and why; the step's other rows are unaffected."""
+
+    message: str
+
+
+def check(params: SamplingParams) -> str | None:
+    """What makes `params` unusable by the sampler, or None. Plain Python, no tensor: it runs
+    when a sequence is added, before it can share a step with anyone."""
+    seed = params.seed
+    if seed is not None and (
+        not isinstance(seed, int) or isinstance(seed, bool) or not MIN_SEED <= seed <= MAX_SEED
+    ):
+        return f"seed must be an integer from {MIN_SEED} to {MAX_SEED}"
+    temperature = params.temperature
+    if not (math.isfinite(temperature) and (temperature == 0.0 or temperature >= MIN_TEMPERATURE)):
+        return f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:.1e}"
+    if not 0.0 < params.top_p <= 1.0:
+        return "top_p must be in (0, 1]"
+    if params.top_k < 0:
+        return "top_k must be >= 0"
+    return None
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A private RNG per request, so a seeded request samples the same tokens in any batch."""
-    if params.is_greedy:
+    """A private RNG per request, so a seeded request samples the same tokens in any batch.
+    None for greedy decoding, and for parameters `check` refuses (`sample` fails that row)."""
+    if params.is_greedy or check(params) is not None:
         return None
     generator = torch.Generator(device=device)
     if params.seed is None:
@@ -23,18 +64,46 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token id per row of `logits` ([batch, vocab])."""
+) -> list[int | SamplingFailure]:
+    """One token id per row of `logits` ([batch, vocab]), or that row's `SamplingFailure`."""
     logits = logits.float()
-    token_ids = logits.argmax(dim=-1).tolist()
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if not p.is_greedy:
-            token_ids[row] = _sample_row(logits[row], p, generator)
-    return token_ids
+    results: list[int | SamplingFailure] = logits.argmax(dim=-1).tolist()
+    rows = []
+    for row, p in enumerate(params):
+        if (problem := check(p)) is not None:
+            results[row] = SamplingFailure(problem)
+        elif not p.is_greedy:
+            rows.append(row)
+    if not rows:
+        return results
+    temperatures = torch.tensor([params[r].temperature for r in rows], device=logits.device)
+    scaled = logits[rows] / temperatures[:, None]
+    is_usable = _is_usable(scaled)
+    for i, row in enumerate(rows):
+        if not is_usable[i]:
+            message = f"temperature {params[row].temperature!r} overflows the logits"
+            results[row] = SamplingFailure(message)
+            continue
+        try:
+            results[row] = _sample_row(scaled[i], params[row], generators[row])
+        except (RuntimeError, ValueError) as exc:  # the last line: only this row fails
+            results[row] = SamplingFailure(f"sampling failed: {type(exc).__name__}")
+    return results
+
+
+def _is_usable(scaled: torch.Tensor) -> list[bool]:
+    """Per row: no NaN or +inf, and some finite logit, so softmax gives a distribution.
+
+    A tiny temperature overflows float32 (1e-40 scales a logit of 1 past 3.4e38; 5e-324 is 0
+    in float32) and softmax then yields NaN. Checked for all rows in one transfer: on CUDA,
+    `multinomial` on NaN is a device-side assert that poisons the process, not an exception.
+    """
+    has_no_nan_or_inf = (scaled.isfinite() | scaled.isneginf()).all(-1)
+    return (has_no_nan_or_inf & scaled.isfinite().any(-1)).tolist()
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    logits = logits / p.temperature
+    """A token from one row of logits already divided by the temperature."""
     if p.top_k > 0 and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
