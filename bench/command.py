@@ -85,7 +85,9 @@ def bench(
     burst_window_s: float = 3.0,
     prompt_tokens_min: int = 32,
     prompt_tokens_max: int = 512,
-    output_tokens_mean: float = 128.0,
+    output_tokens_mean: Annotated[
+        float, typer.Option(help="Mean output tokens (also weighted, weighted-pool: at most 2x).")
+    ] = 128.0,
     output_tokens_max: int = 512,
     long_prompt_fraction: float = 0.0,
     long_prompt_tokens: int = 2048,
@@ -129,6 +131,7 @@ def bench(
             steady_rate_per_s,
             num_workers,
             requests_per_worker,
+            output_tokens_mean,
             "full-stack" if full_stack else simulate or "engine-direct",
             source,
             dtype,
@@ -229,6 +232,7 @@ class ScenarioArgs:
     steady_rate_per_s: float
     num_workers: int
     requests_per_worker: int
+    output_tokens_mean: float  # weighted, weighted-pool
     mode: str  # "engine-direct", "full-stack", or a --simulate cost model
     source: str
     dtype: str
@@ -245,6 +249,7 @@ def _scenario(args: ScenarioArgs, base, json_path: str | None) -> None:
         steady_rate_per_s=args.steady_rate_per_s,
         num_workers=args.num_workers,
         requests_per_worker=args.requests_per_worker,
+        output_tokens_mean=args.output_tokens_mean,
         ttft_ratio_max=scenarios.burst_ttft_ratio_max(simulated),
     )
 

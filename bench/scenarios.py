@@ -76,6 +76,7 @@ def build(
     steady_rate_per_s: float,
     num_workers: int = 2,
     requests_per_worker: int = 80,
+    output_tokens_mean: float = 128.0,
     ttft_ratio_max: float = BURST_TTFT_RATIO_MAX,
 ) -> Scenario:
     """`ttft_ratio_max`: the burst scenarios' target for the light tenant's TTFT p99 over
@@ -83,13 +84,13 @@ def build(
     if name == "noisy-neighbour":
         return noisy_neighbour(seed, duration_s, steady_rate_per_s)
     if name == "weighted":
-        return weighted(seed)
+        return weighted(seed, output_tokens_mean=output_tokens_mean)
     if name == "burst-fill":
         return burst(seed, duration_s, steady_rate_per_s, ttft_ratio_max, fills_kv=False)
     if name == "burst-kv":
         return burst(seed, duration_s, steady_rate_per_s, ttft_ratio_max, fills_kv=True)
     if name == "weighted-pool":
-        return weighted_pool(seed, num_workers, requests_per_worker)
+        return weighted_pool(seed, num_workers, requests_per_worker, output_tokens_mean)
     raise ValueError(f"unknown scenario {name!r}; one of {SCENARIOS}")
 
 
@@ -141,7 +142,10 @@ def noisy_neighbour(seed: int, duration_s: float, steady_rate_per_s: float) -> S
     )
 
 
-def weighted(seed: int, num_requests_per_tenant: int = 80) -> Scenario:
+def weighted(
+    seed: int, num_requests_per_tenant: int = 80, output_tokens_mean: float = 128.0
+) -> Scenario:
+    """Outputs: exponential, mean `output_tokens_mean`, at most twice that."""
     tenants = [TenantSpec("A", weight=4), TenantSpec("B", weight=2), TenantSpec("C", weight=1)]
     workload: list[RequestSpec] = []
     for offset, tenant in enumerate(tenants):
@@ -152,8 +156,8 @@ def weighted(seed: int, num_requests_per_tenant: int = 80) -> Scenario:
             burst_window_s=0.5,
             prompt_tokens_min=32,
             prompt_tokens_max=96,
-            output_tokens_mean=128.0,
-            output_tokens_max=256,
+            output_tokens_mean=output_tokens_mean,
+            output_tokens_max=round(2 * output_tokens_mean),
         )
         workload += [
             dataclasses.replace(s, tenant=tenant.name, index=offset * 10_000 + s.index)
@@ -206,14 +210,16 @@ def burst(
     )
 
 
-def weighted_pool(seed: int, num_workers: int, requests_per_worker: int = 80) -> Scenario:
+def weighted_pool(
+    seed: int, num_workers: int, requests_per_worker: int = 80, output_tokens_mean: float = 128.0
+) -> Scenario:
     """The weighted scenario (4:2:1, all backlogged, `requests_per_worker` requests per
     tenant per worker) over `num_workers` workers with skewed
     ingress: every other worker has an affinity for A, the rest for B (each takes its
     tenant's requests first, up to all its room), so one worker holds mostly A's requests
     and another mostly B's. Runs: the pool's shared service counters, and each worker
     with counters of its own (a fair queue per worker, as a router-level DRR would)."""
-    base = weighted(seed, num_requests_per_tenant=requests_per_worker * num_workers)
+    base = weighted(seed, requests_per_worker * num_workers, output_tokens_mean)
     affinity = (("A",), ("B",))
     runs = [
         Run(f"4:2:1 over {num_workers} workers, pool counters (fair)", "fair", "backlogged",
