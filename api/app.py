@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from api import admin, dashboard, metrics
@@ -62,6 +62,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             HTTPException: _http_error,
             RedisConnectionError: _broker_unavailable,
             RedisTimeoutError: _broker_unavailable,
+            ClientDisconnect: _client_left,
             Exception: _crash,
         },
     )
@@ -90,6 +91,20 @@ async def _broker_unavailable(request: Request, exc: Exception) -> Response:
         code="broker_unavailable",
         headers={"Retry-After": "1"},
     ).response()
+
+
+# What nginx logs for "client closed request"; no client reads it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _client_left(request: Request, _exc: Exception) -> Response:
+    """A client that leaves before its answer (while its body is read, on any route) is
+    routine, not an error: one INFO line, no traceback. Whatever it started is undone on
+    the way here: an admission whose enqueue was interrupted is released
+    (`api/routes.py` `_submit`), a request it left is cancelled
+    (`api/streaming.py` `collect_while_connected`, `SubscriptionStream`)."""
+    log.info("client left before its answer: %s %s", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _crash(request: Request, exc: Exception) -> Response:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
-from collections.abc import Awaitable, Callable
 from datetime import date
 
 import anyio
 from sqlmodel import select
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -31,34 +29,12 @@ log = logging.getLogger("llmfleet.api")
 # Redis stream ids. `str.isdigit` also accepts `²` and other digits `int` cannot parse.
 _EVENT_ID = re.compile(r"[0-9]{1,18}")
 _DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
-# What nginx logs for "client closed request"; no client reads it.
-CLIENT_CLOSED_REQUEST = 499
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _ctx(request: Request) -> ApiContext:
     return request.state.ctx
 
 
-def _until_client_leaves(handler: Handler) -> Handler:
-    """A client that leaves before its answer is routine, not an error: one INFO line, no
-    traceback. Whatever it started is undone on the way here: an admission whose enqueue was
-    interrupted is released (`_submit`), a request it left is cancelled (`collect_while_connected`,
-    `SubscriptionStream`)."""
-
-    @functools.wraps(handler)
-    async def handle(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ClientDisconnect:
-            log.info("client left before its answer: %s %s", request.method, request.url.path)
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-    return handle
-
-
-@_until_client_leaves
 async def completions(request: Request) -> Response:
     ctx = _ctx(request)
     principal = await authenticate(request, ctx)
@@ -67,7 +43,6 @@ async def completions(request: Request) -> Response:
     return await _respond(request, ctx, queued, body)
 
 
-@_until_client_leaves
 async def chat_completions(request: Request) -> Response:
     ctx = _ctx(request)
     principal = await authenticate(request, ctx)

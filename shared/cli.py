@@ -26,6 +26,15 @@ app.add_typer(usage_app, name="usage")
 app.command("bench")(bench_command)
 
 
+def _private_files() -> None:
+    """What a serving process writes (metrics values, chain-head exports, the AOF) is its
+    owner's alone, however it was started (`llmfleet up`, honcho, systemd):
+    `shared/private_files.py`."""
+    from shared.private_files import PRIVATE_UMASK
+
+    os.umask(PRIVATE_UMASK)
+
+
 def _setup_logging() -> None:
     from shared import logs
 
@@ -77,6 +86,7 @@ def api(
 
     from shared import logs
 
+    _private_files()
     settings = get_settings()
     port = port or settings.api_port
     _use_prometheus_multiprocess(settings.home, port)
@@ -208,6 +218,7 @@ def control() -> None:
     """Run the control process: usage into the ledger, retention purges, chain-head exports."""
     from shared.control import make_worker
 
+    _private_files()
     _setup_logging()
     worker = make_worker(get_settings(), _db())
     worker.run()  # arq's loop; SIGTERM and SIGINT stop it after the running jobs
@@ -218,6 +229,7 @@ def redis() -> None:
     """Run the embedded redis-server in the foreground (on the unix socket under the home dir)."""
     from shared.redis_server import EmbeddedRedis
 
+    _private_files()
     settings = get_settings()
     server = EmbeddedRedis(settings.home / "redis", unix_socket=settings.redis_socket_path)
     server.start()

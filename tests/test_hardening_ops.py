@@ -261,3 +261,25 @@ def test_an_existing_open_home_is_closed(tmp_path, env):
     assert result.returncode == 0, result.stderr
     assert _mode(home) == 0o700
     assert _readable_by_others(home) == []
+
+
+def test_an_api_started_on_its_own_keeps_its_metrics_values_private(start_api, home, settings):
+    """Not under `llmfleet up` (honcho, systemd, this test's umask 022): the API's
+    multiprocess metric files are still its owner's only."""
+    previous = os.umask(0o022)
+    try:
+        api = start_api()
+    finally:
+        os.umask(previous)
+    port = api.url.rsplit(":", 1)[1]
+    # A refused request counts a rejection: its value file is written.
+    assert httpx.get(f"{api.url}/v1/models", headers=auth("lf-wrong")).status_code == 401
+    token = settings.metrics_secret
+    assert (
+        "llmfleet_request_rejections" in httpx.get(f"{api.url}/metrics", headers=auth(token)).text
+    )
+    values = home / "metrics" / f"api-{port}"
+    assert stat.S_IMODE(values.stat().st_mode) & 0o077 == 0
+    files = list(values.iterdir())
+    assert files
+    assert all(stat.S_IMODE(path.stat().st_mode) & 0o077 == 0 for path in files)

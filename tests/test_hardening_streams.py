@@ -271,6 +271,28 @@ def test_clients_that_leave_at_once_log_no_error_and_leave_nothing(
     assert not [line for line in lines if "ClientDisconnect" in line]
 
 
+def test_a_client_that_leaves_mid_body_on_any_route_logs_no_error(capped_api, settings, home):
+    """Also outside the completion routes: an admin body the client stops sending."""
+    port = int(capped_api.url.rsplit(":", 1)[1])
+    head = (
+        f"POST /admin/v1/tenants HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Authorization: Bearer {settings.admin_secret}\r\nContent-Type: application/json\r\n"
+        "Content-Length: 10000\r\n\r\n"
+    ).encode()
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head + b'{"name": "lea')
+    _wait_for(
+        lambda: (
+            sum("client left before its answer" in line for line in _log_lines(home, capped_api))
+            >= 5
+        ),
+        "the five departures logged",
+        timeout_s=30,
+    )
+    assert not [line for line in _log_lines(home, capped_api) if '"level": "ERROR"' in line]
+
+
 # 5. Resume streams: capped per request and per tenant, released on every exit path, and
 # their Redis connections closed with them.
 
