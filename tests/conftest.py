@@ -20,13 +20,16 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
+from sqlmodel import Session
 
 from shared import deployments, keys, model_source, tenants
 from shared.db import create_schema, make_engine
 from shared.model_source import DEFAULT_MODEL_ID
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
+from shared.tables import Tenant
 from tests import tiny_model
+from tests.helpers import forget_tenant
 
 PROCESS_START_TIMEOUT_S = 180
 
@@ -93,6 +96,28 @@ def make_tenant(db, settings):
         return tenant.id, tenants.create_key(db, tenant.id, settings.pepper)
 
     return factory
+
+
+@pytest.fixture
+def limited_tenant(make_tenant, db, rdb):
+    """Factory: a new tenant with the given limits (columns of `Tenant`) and its API key;
+    its Redis state goes after the test."""
+    made: list[str] = []
+
+    def factory(**limits: int) -> tuple[str, str]:
+        tenant_id, key = make_tenant("limits")
+        with Session(db) as session:
+            tenant = session.get(Tenant, tenant_id)
+            for name, value in limits.items():
+                setattr(tenant, name, value)
+            session.add(tenant)
+            session.commit()
+        made.append(tenant_id)
+        return tenant_id, key
+
+    yield factory
+    for tenant_id in made:
+        forget_tenant(rdb, tenant_id)
 
 
 @pytest.fixture(scope="session")

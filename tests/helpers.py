@@ -52,6 +52,23 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
     return error
 
 
+def forget_tenant(rdb, tenant_id: str) -> None:
+    """Drop a test tenant's Redis state: its queues that no worker reads (no consumer group:
+    a served model's stream belongs to its workers, which fail on a group deleted under
+    them), its admission and rate counters, its resume-stream slots."""
+    for stream in rdb.scan_iter(keys.tenant_stream("*", tenant_id)):
+        if not rdb.xinfo_groups(stream):
+            rdb.delete(stream)
+            model = stream.decode().split(":")[2]
+            rdb.srem(keys.model_tenants(model), tenant_id)
+    rdb.delete(
+        keys.tenant_inflight(tenant_id),
+        keys.tenant_queued(tenant_id),
+        keys.tenant_buckets(tenant_id),
+        keys.tenant_resume_streams(tenant_id),
+    )
+
+
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

@@ -17,7 +17,7 @@ import pytest
 from sqlmodel import Session, func, select
 
 from shared import deployments, keys
-from shared.tables import Tenant, UsageRecord
+from shared.tables import UsageRecord
 from tests.helpers import assert_error, auth, wait_for_usage_record
 
 UNSERVED_MODEL = "tiny-llama-unserved"
@@ -27,33 +27,6 @@ UNSERVED_MODEL = "tiny-llama-unserved"
 def unserved_deployment(db, tiny_model_dir):
     """The tiny model's weights under a model id no worker serves: requests stay queued."""
     return deployments.register(db, UNSERVED_MODEL, str(tiny_model_dir))
-
-
-@pytest.fixture
-def limited_tenant(make_tenant, db, rdb):
-    """Factory: a new tenant with the given limits (columns of `Tenant`) and its API key."""
-    made: list[str] = []
-
-    def factory(**limits: int) -> tuple[str, str]:
-        tenant_id, key = make_tenant("limits")
-        with Session(db) as session:
-            tenant = session.get(Tenant, tenant_id)
-            for name, value in limits.items():
-                setattr(tenant, name, value)
-            session.add(tenant)
-            session.commit()
-        made.append(tenant_id)
-        return tenant_id, key
-
-    yield factory
-    for tenant_id in made:
-        rdb.delete(
-            keys.tenant_stream(UNSERVED_MODEL, tenant_id),
-            keys.tenant_inflight(tenant_id),
-            keys.tenant_queued(tenant_id),
-            keys.tenant_buckets(tenant_id),
-        )
-        rdb.srem(keys.model_tenants(UNSERVED_MODEL), tenant_id)
 
 
 def _post(api_url: str, key: str, body: dict, path: str = "/v1/completions") -> httpx.Response:

@@ -22,7 +22,7 @@ from sqlmodel import Session, select
 from api import broker
 from shared import deployments, keys
 from shared.tables import UsageRecord
-from tests.helpers import assert_error, auth, wait_for_usage_record
+from tests.helpers import assert_error, auth, forget_tenant, wait_for_usage_record
 
 UNSERVED_MODEL = "tiny-llama-unserved-streams"
 RESUME_LEASE_S = 2.0
@@ -67,14 +67,7 @@ def queued_request(make_tenant, unserved_deployment, rdb):
 
     yield factory
     for tenant_id in made:
-        rdb.delete(
-            keys.tenant_stream(UNSERVED_MODEL, tenant_id),
-            keys.tenant_inflight(tenant_id),
-            keys.tenant_queued(tenant_id),
-            keys.tenant_buckets(tenant_id),
-            keys.tenant_resume_streams(tenant_id),
-        )
-        rdb.srem(keys.model_tenants(UNSERVED_MODEL), tenant_id)
+        forget_tenant(rdb, tenant_id)
 
 
 def _tenant_records(db, tenant_id: str) -> list[UsageRecord]:

@@ -31,7 +31,14 @@ from shared.db import alembic_config, create_schema
 from shared.protocol import SamplingParams, UsageEvent
 from shared.tables import RequestContent, Tenant
 from tests.conftest import _stop, spawn_api
-from tests.helpers import add_deployment, assert_error, auth, stream, wait_for_usage_record
+from tests.helpers import (
+    add_deployment,
+    assert_error,
+    auth,
+    forget_tenant,
+    stream,
+    wait_for_usage_record,
+)
 
 UNSERVED_MODEL = "tiny-llama-unserved-tenants"
 MAX_NUM_FAILURES = 3
@@ -296,13 +303,7 @@ def queued_tenants(rdb) -> Iterator[list[str]]:
     made: list[str] = []
     yield made
     for tenant_id in made:
-        rdb.delete(
-            keys.tenant_stream(UNSERVED_MODEL, tenant_id),
-            keys.tenant_inflight(tenant_id),
-            keys.tenant_queued(tenant_id),
-            keys.tenant_buckets(tenant_id),
-        )
-        rdb.srem(keys.model_tenants(UNSERVED_MODEL), tenant_id)
+        forget_tenant(rdb, tenant_id)
 
 
 def _admit_and_hang_up(url: str, key: str) -> httpx.Response:
