@@ -78,6 +78,14 @@ def bench(
             "model cpu | flat (bench/simulate.py); no model is run."
         ),
     ] = None,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Scenarios: run the plan this many times, in reverse order every other "
+            "time; the checks are the repeats' means.",
+        ),
+    ] = 1,
     num_requests: int = 64,
     seed: int = 0,
     arrival: Annotated[str, typer.Option(help="burst | poisson")] = "burst",
@@ -135,6 +143,7 @@ def bench(
             "full-stack" if full_stack else simulate or "engine-direct",
             source,
             dtype,
+            repeat,
         )
         _scenario(args, base, json_path)
         return
@@ -236,6 +245,7 @@ class ScenarioArgs:
     mode: str  # "engine-direct", "full-stack", or a --simulate cost model
     source: str
     dtype: str
+    repeat: int = 1
 
 
 def _scenario(args: ScenarioArgs, base, json_path: str | None) -> None:
@@ -259,13 +269,25 @@ def _scenario(args: ScenarioArgs, base, json_path: str | None) -> None:
     if args.mode == "full-stack":
         from bench import full_stack
 
-        runs, durations = full_stack.run_plan(plan, base, args.source, args.dtype, on_run=on_run)
+        def run_plan(ordered):
+            return full_stack.run_plan(ordered, base, args.source, args.dtype, on_run=on_run)
     else:
-        from bench.scenario_driver import run_plan
+        from bench import scenario_driver
 
         make_engine, decoder = _engines(args, simulated)
-        runs, durations = run_plan(plan, base, make_engine, decoder, on_run=on_run)
-    _report_scenario(args, plan, runs, durations, base, json_path)
+
+        def run_plan(ordered):
+            return scenario_driver.run_plan(ordered, base, make_engine, decoder, on_run=on_run)
+
+    repeats = []
+    for index in range(args.repeat):
+        # Every other repeat in reverse order: a drift of the machine over the session
+        # then weighs on every run alike (the checks compare runs of one repeat).
+        ordered = plan if index % 2 == 0 else dataclasses.replace(plan, runs=plan.runs[::-1])
+        if args.repeat > 1:
+            typer.echo(f"{args.name}: repeat {index + 1} of {args.repeat}")
+        repeats.append(run_plan(ordered))
+    _report_scenario(args, plan, repeats, base, json_path)
 
 
 def _engines(args: ScenarioArgs, simulated: str | None):
@@ -288,32 +310,41 @@ def _engines(args: ScenarioArgs, simulated: str | None):
     return simulate.engine_factory(simulate.COST_MODELS[simulated]), simulate.NullDecoder()
 
 
-def _report_scenario(args: ScenarioArgs, plan, runs, durations, base, json_path) -> None:
+def _report_scenario(args: ScenarioArgs, plan, repeats, base, json_path) -> None:
+    """Each repeat's table and checks; with several, the checks' means (`combine_repeats`)."""
     from bench import metrics, report, scenarios, simulate
 
     tenant_of = scenarios.tenant_of(plan)
-    rows = {
-        f"{label} / {tenant}": metrics.summarize(
-            [r for r in tenant_results if r.end_s], durations[label]
-        )
-        for label, results in runs.items()
-        for tenant, tenant_results in sorted(scenarios.per_tenant(results, tenant_of).items())
-    }
-    typer.echo(report.format_table(rows))
-    evaluation = plan.evaluate(runs, durations, plan)
-    for check, outcome in evaluation["checks"].items():
-        verdict = "met" if outcome["is_met"] else "NOT met"
-        typer.echo(f"{check}: {outcome['value']:.3f} (target {outcome['target']}): {verdict}")
+    measured = []
+    for runs, durations in repeats:
+        rows = {
+            f"{label} / {tenant}": metrics.summarize(
+                [r for r in tenant_results if r.end_s], durations[label]
+            )
+            for label, results in runs.items()
+            for tenant, tenant_results in sorted(scenarios.per_tenant(results, tenant_of).items())
+        }
+        typer.echo(report.format_table(rows))
+        evaluation = plan.evaluate(runs, durations, plan)
+        _echo_checks(evaluation["checks"])
+        requests = {
+            label: [dataclasses.asdict(r) | {"tenant": tenant_of[r.index]} for r in results]
+            for label, results in runs.items()
+        }
+        measured.append({"per_tenant": rows, "evaluation": evaluation, "requests": requests})
+    if len(measured) == 1:
+        result = measured[0]
+    else:
+        combined = scenarios.combine_repeats([m["evaluation"] for m in measured])
+        typer.echo(f"means over {len(measured)} repeats:")
+        _echo_checks(combined["checks"])
+        result = {"evaluation": {"checks": combined["checks"]}, "repeats": measured}
     if not json_path:
         return
     cost = simulate.COST_MODELS.get(args.mode)
     arguments = dataclasses.asdict(args) | {
         "engine": dataclasses.asdict(base),
         "simulated_step_cost": cost and dataclasses.asdict(cost),
-    }
-    requests = {
-        label: [dataclasses.asdict(r) | {"tenant": tenant_of[r.index]} for r in results]
-        for label, results in runs.items()
     }
     report.write_json(
         json_path,
@@ -322,11 +353,15 @@ def _report_scenario(args: ScenarioArgs, plan, runs, durations, base, json_path)
             "scenario": args.name,
             "arguments": arguments,
             "tenants": [dataclasses.asdict(t) for t in plan.tenants],
-            "per_tenant": rows,
-            "evaluation": evaluation,
-            "requests": requests,
+            **result,
         },
     )
+
+
+def _echo_checks(checks: dict) -> None:
+    for check, outcome in checks.items():
+        verdict = "met" if outcome["is_met"] else "NOT met"
+        typer.echo(f"{check}: {outcome['value']:.3f} (target {outcome['target']}): {verdict}")
 
 
 def _kv_stats(samples: list[float]) -> dict:

@@ -111,3 +111,29 @@ def test_weighted_shares_hold_for_a_pool_whose_workers_see_mostly_one_tenant(num
     checks = _evaluate("weighted-pool", "cpu", duration_s=0, steady_rate_per_s=0,
                        num_workers=num_workers)  # fmt: skip
     assert checks and all(outcome["is_met"] for outcome in checks.values()), checks
+
+
+def test_bench_repeats_a_scenario_in_alternating_order_and_checks_the_means(tmp_path):
+    # One run's throughput on a 2-core CPU moves 10-15% with nothing changed, so a ratio
+    # of two runs is measured over repeats, every other one in reverse order.
+    import json
+
+    from typer.testing import CliRunner
+
+    from shared.cli import app
+
+    path = tmp_path / "repeat.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--scenario", "burst-fill", "--simulate", "flat", "--repeat", "2",
+        "--scenario-duration-s", "2", "--steady-rate-per-s", "5", "--json", str(path),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    started = [line.split(": ", 1)[1] for line in result.output.splitlines()
+               if line.startswith("burst-fill: ") and line.endswith(" ...")]  # fmt: skip
+    assert len(started) == 6 and started[3:] == started[:3][::-1]
+    saved = json.loads(path.read_text())
+    assert len(saved["repeats"]) == 2
+    for name, outcome in saved["evaluation"]["checks"].items():
+        values = [r["evaluation"]["checks"][name]["value"] for r in saved["repeats"]]
+        assert outcome["repeats"] == values
+        assert outcome["value"] == pytest.approx(sum(values) / 2)
