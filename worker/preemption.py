@@ -1,7 +1,9 @@
 """Which running sequence gives up its KV blocks when a sequence needs one and none is free.
 
 A policy only chooses; the scheduler frees the victim's blocks and puts it back at the head
-of its tenant's waiting queue, to be recomputed ahead of that tenant's newer work.
+of its tenant's waiting queue, to be recomputed ahead of that tenant's newer work. Between
+sequences a policy ranks alike (a burst's requests arrive together), the one admitted last
+loses: the candidates are in admission order, and it has computed the least since.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class LatestArrivalFirst:
     def pick_victim(
         self, candidates: Candidates[Sequence], running: Candidates[Sequence]
     ) -> Sequence:
-        return max(candidates, key=lambda seq: seq.arrival_s)
+        return max(reversed(candidates), key=lambda seq: seq.arrival_s)
 
 
 class TenantAwarePreemption:
@@ -44,7 +46,7 @@ class TenantAwarePreemption:
     ) -> Sequence:
         over_share = self._over_share(running)
         return max(
-            candidates,
+            reversed(candidates),
             key=lambda seq: (-seq.tier, over_share.get(seq.tenant_id, 0.0), seq.arrival_s),
         )
 

@@ -1,0 +1,272 @@
+"""The `llmfleet` command: run the processes and administer tenants and models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import plugins
+from cli.common import db
+from cli.models import model_app
+from cli.tenants import key_app, tenant_app
+from cli.usage import usage_app
+from shared.settings import get_settings
+
+app = typer.Typer(help="llmfleet: multi-tenant LLM serving.", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
+app.add_typer(model_app, name="model")
+app.add_typer(usage_app, name="usage")
+
+
+def _private_files() -> None:
+    """What a serving process writes (metrics values, chain-head exports, the AOF) is its
+    owner's alone, however it was started (`llmfleet up`, honcho, systemd):
+    `shared/private_files.py`."""
+    from shared.private_files import PRIVATE_UMASK
+
+    os.umask(PRIVATE_UMASK)
+
+
+def _setup_logging() -> None:
+    from shared import logs
+
+    settings = get_settings()
+    logs.setup(settings.log_level, settings.log_format)
+
+
+def _use_prometheus_multiprocess(home: Path, port: int) -> None:
+    """Point prometheus_client's multiprocess mode at a fresh directory, so that /metrics on
+    any uvicorn worker sums the counters of all of them. It must be set before
+    prometheus_client is first imported (it picks its value store then), hence here."""
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        return  # the operator's choice; clearing it between runs is theirs too
+    path = home / "metrics" / f"api-{port}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+
+
+@app.command()
+def up(
+    model: Annotated[
+        str, typer.Option(help="Model deployment the local worker serves.")
+    ] = "smollm2-135m",
+    batching: Annotated[str, typer.Option(help="continuous | static | one")] = "continuous",
+) -> None:
+    """Start everything locally: Redis, the API and one worker; print the URL and a dev key."""
+    from cli.up import run_local
+
+    run_local(get_settings(), model=model, batching=batching)
+
+
+@app.command()
+def api(
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    workers: Annotated[int, typer.Option(help="uvicorn worker processes")] = 1,
+) -> None:
+    """Run the HTTP API (uvicorn)."""
+    import uvicorn
+
+    from shared import logs
+
+    _private_files()
+    settings = get_settings()
+    port = port or settings.api_port
+    _use_prometheus_multiprocess(settings.home, port)
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        host=host or settings.api_host,
+        port=port,
+        workers=workers,
+        log_config=logs.logging_config(settings.log_level, settings.log_format),
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=10,
+        # uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise; here only
+        # from the proxies configured, so a client cannot pick the address it is throttled by.
+        proxy_headers=settings.forwarded_allow_ips is not None,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
+    )
+
+
+@app.command()
+def worker(
+    model: Annotated[str, typer.Option(help="Model id of the deployment to serve.")],
+    batching: Annotated[str, typer.Option(help="continuous | static | one")] = "continuous",
+    max_batch_size: Annotated[int, typer.Option(help="static: sequences per batch.")] = 8,
+    max_num_seqs: Annotated[int, typer.Option(help="continuous: sequences in the batch.")] = 64,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="continuous: tokens per step (prefill chunk budget).")
+    ] = 192,
+    block_size: Annotated[int, typer.Option(help="continuous: tokens per KV block.")] = 16,
+    kv_cache_gb: Annotated[
+        float | None,
+        typer.Option(help="continuous: KV pool size (default 2 on CPU, 85% of free GPU memory)."),
+    ] = None,
+    num_kv_blocks: Annotated[
+        int | None,
+        typer.Option(help="continuous: the KV pool in blocks (overrides --kv-cache-gb)."),
+    ] = None,
+    queueing: Annotated[
+        str, typer.Option(help="continuous: fair (tenants, tiers, weights) | fifo (baseline).")
+    ] = "fair",
+    quantum_tokens: Annotated[
+        int, typer.Option(help="fair queuing: tokens a tenant may start per round per weight.")
+    ] = 256,
+    burst_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="fair queuing: how far ahead of the others a tenant that starts "
+            "waiting may go, in tokens of service (default: 4 quanta)."
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[
+        str, typer.Option(help="auto (bf16 on GPUs and AMX CPUs, else fp32) | float32 | bfloat16")
+    ] = "auto",
+    metrics_port: Annotated[
+        int, typer.Option(help="Port of the worker's Prometheus /metrics; 0 = none.")
+    ] = 9300,
+    metrics_host: Annotated[
+        str, typer.Option(help="Address /metrics listens on (0.0.0.0 in a container).")
+    ] = "127.0.0.1",
+    fairness_scope: Annotated[
+        str,
+        typer.Option(
+            help="fair queuing: pool (service counters shared by the model's workers, in "
+            "Redis) | worker (each worker its own)."
+        ),
+    ] = "pool",
+    prefer_tenants: Annotated[
+        str,
+        typer.Option(
+            help="Tenant ids (comma-separated) whose requests this worker takes first "
+            "(affinity); it still serves every tenant."
+        ),
+    ] = "",
+) -> None:
+    """Run a worker that serves one model deployment."""
+    from shared import deployments
+    from shared.model_source import DEFAULT_MODEL_ID
+    from worker.engine import EngineConfig
+    from worker.service import FAIRNESS_SCOPES, Worker, WorkerConfig
+
+    _setup_logging()
+    engine = db()
+    deployment = deployments.get_active(engine, model)
+    if deployment is None and model == DEFAULT_MODEL_ID:
+        deployment = deployments.ensure_default(engine)
+    if deployment is None:
+        raise typer.BadParameter(
+            f"no deployment for model {model!r}; add one with `llmfleet model add`"
+        )
+    engine_config = EngineConfig(
+        batching=batching,
+        max_batch_size=max_batch_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        kv_cache_gb=kv_cache_gb,
+        num_kv_blocks=num_kv_blocks,
+        queueing=queueing,
+        quantum_tokens=quantum_tokens,
+        burst_tokens=burst_tokens,
+        fault_token_id=get_settings().fault_token_id,
+    )
+    if fairness_scope not in FAIRNESS_SCOPES:
+        raise typer.BadParameter(f"one of {FAIRNESS_SCOPES}", param_hint="--fairness-scope")
+    config = WorkerConfig(
+        engine_config,
+        device,
+        dtype,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        fairness_scope=fairness_scope,
+        preferred_tenants=frozenset(t.strip() for t in prefer_tenants.split(",") if t.strip()),
+    )
+    engine.dispose()  # the worker needs SQL only to find its deployment
+    service = Worker(get_settings(), deployment, config)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stop)
+        await service.run()
+
+    asyncio.run(main())
+
+
+@app.command()
+def control() -> None:
+    """Run the control process: usage into the ledger, retention purges, chain-head exports."""
+    from control.jobs import make_worker
+
+    _private_files()
+    _setup_logging()
+    worker = make_worker(get_settings(), db())
+    worker.run()  # arq's loop; SIGTERM and SIGINT stop it after the running jobs
+
+
+@app.command()
+def redis() -> None:
+    """Run the embedded redis-server in the foreground (on the unix socket under the home dir)."""
+    from cli.redis_server import EmbeddedRedis
+
+    _private_files()
+    settings = get_settings()
+    server = EmbeddedRedis(settings.home / "redis", unix_socket=settings.redis_socket_path)
+    server.start()
+    typer.echo(f"redis listening on {server.url}")
+    # Only raise in the handler: waiting on the child inside it would deadlock with wait().
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def _raise_keyboard_interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command()
+def init() -> None:
+    """Create the database schema and the default model deployment."""
+    from shared import deployments
+
+    deployment = deployments.ensure_default(db())
+    typer.echo(f"database ready; default deployment {deployment.model_id} v{deployment.version}")
+
+
+@app.command()
+def status(
+    window_s: Annotated[
+        float, typer.Option(help="TTFT and ITL percentiles over the last WINDOW_S seconds.")
+    ] = 60.0,
+) -> None:
+    """Workers, queues per tenant, KV-cache usage, batch occupancy, TTFT and ITL p50/p99."""
+    from cli.status import print_status
+
+    print_status(get_settings(), db(), window_s)
+
+
+@app.command("admin-key")
+def admin_key() -> None:
+    """Print the admin key of the `/admin/v1` API (LLMFLEET_ADMIN_KEY, or the generated one)."""
+    typer.echo(get_settings().admin_secret)
+
+
+plugins.register(app)  # last: `llmfleet bench` after the platform's own commands
+
+if __name__ == "__main__":
+    app()

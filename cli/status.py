@@ -1,0 +1,121 @@
+"""`llmfleet status`: the fleet snapshot (`shared/fleet.py`) as tables in the terminal.
+
+The figures are the ones `/dashboard` draws and the API's `/metrics` exports: per model the
+KV-cache usage, batch occupancy and TTFT/ITL p50/p99 over the last window; the live workers;
+and the queue state of every tenant stream (entries, pending, not yet delivered, consumers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import Engine
+
+from shared import fleet
+from shared.fleet import FleetSnapshot
+from shared.redis_conn import async_client
+from shared.settings import Settings
+
+PIPE_WIDTH = 200  # columns when the output is not a terminal: no wrapped or elided cells
+
+
+def print_status(
+    settings: Settings, engine: Engine, window_s: float, console: Console | None = None
+) -> None:
+    models, tenant_names = fleet.catalog(engine)
+    snapshot = asyncio.run(_read(settings.redis_url, models, tenant_names, window_s))
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=PIPE_WIDTH)
+    console.print(models_table(snapshot, window_s))
+    console.print(workers_table(snapshot))
+    console.print(queues_table(snapshot))
+
+
+async def _read(url: str, models: list[str], tenant_names, window_s: float) -> FleetSnapshot:
+    redis = async_client(url, retries=2)
+    try:
+        return await fleet.read_fleet(redis, models, tenant_names, window_s)
+    finally:
+        await redis.aclose()
+
+
+def models_table(snapshot: FleetSnapshot, window_s: float) -> Table:
+    table = Table(title=f"Models (latency over the last {window_s:g} s)", title_justify="left")
+    for name in ["MODEL", "WORKERS", "RUNNING", "WAITING", "QUEUED", "KV CACHE", "BATCH"]:
+        table.add_column(name, justify="left" if name == "MODEL" else "right")
+    for name in ["TTFT P50", "TTFT P99", "ITL P50", "ITL P99", "SAMPLES"]:
+        table.add_column(name, justify="right")
+    for model, snap in snapshot.models.items():
+        num_ready = snap.num_workers_by_state()["ready"]
+        table.add_row(
+            model,
+            f"{num_ready}/{len(snap.workers)}",
+            str(sum(w.num_running for w in snap.workers)),
+            str(sum(w.num_waiting for w in snap.workers)),
+            str(snap.num_queued),
+            _percent(snap.kv_cache_usage),
+            _percent(snap.batch_occupancy),
+            _ms(snap.ttft.p50_s),
+            _ms(snap.ttft.p99_s),
+            _ms(snap.itl.p50_s),
+            _ms(snap.itl.p99_s),
+            f"{snap.ttft.num_samples}/{snap.itl.num_samples}",
+        )
+    return table
+
+
+def workers_table(snapshot: FleetSnapshot) -> Table:
+    table = Table(title="Workers (heartbeats)", title_justify="left")
+    for name in ["WORKER", "MODEL", "STATE"]:
+        table.add_column(name)
+    for name in ["RUNNING", "WAITING", "MAX SEQS", "KV CACHE", "PREEMPTIONS", "HEARTBEAT AGE"]:
+        table.add_column(name, justify="right")
+    for snap in snapshot.models.values():
+        for w in snap.workers:
+            table.add_row(
+                w.worker_id,
+                w.model,
+                w.state,
+                str(w.num_running),
+                str(w.num_waiting),
+                "-" if w.max_num_seqs is None else str(w.max_num_seqs),
+                _percent(w.kv_cache_usage),
+                str(w.num_preemptions),
+                f"{w.heartbeat_age_s:.1f} s",
+            )
+    return table
+
+
+def queues_table(snapshot: FleetSnapshot) -> Table:
+    table = Table(
+        title="Queues (stream per model and tenant; consumer group `workers`)",
+        title_justify="left",
+    )
+    for name in ["MODEL", "TENANT", "TENANT ID"]:
+        table.add_column(name)
+    for name in ["ENTRIES", "PENDING", "UNDELIVERED", "CONSUMERS"]:
+        table.add_column(name, justify="right")
+    for model, snap in snapshot.models.items():
+        for q in snap.queues:
+            table.add_row(
+                model,
+                snapshot.tenant_name(q.tenant_id),
+                q.tenant_id,
+                str(q.num_entries),
+                str(q.num_pending),
+                str(q.num_undelivered),
+                str(q.num_consumers),
+            )
+    return table
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.1%}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
