@@ -20,7 +20,7 @@ from worker.fair_queue import FairQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import TenantAwarePreemption
 from worker.runner import loader
-from worker.runner.model_runner import ModelRunner
+from worker.runner.model_runner import ModelRunner, decode_group_bounds
 from worker.scheduler import Scheduler, SchedulerConfig
 
 MAX_NEW_TOKENS = 12
@@ -101,6 +101,32 @@ def test_preemption_happens_and_stays_exact(tiny_loaded):
     engine = _engine(tiny_loaded, num_blocks=12, block_size=4, max_num_seqs=3, budget=16)
     outputs = _run(engine, arrivals)
     assert engine.scheduler.num_preemptions > 0
+    for i, (_, prompt, n) in enumerate(arrivals):
+        assert outputs[f"r{i}"] == greedy_alone(tiny_loaded, prompt, n)
+
+
+def test_decodes_share_an_attention_call_unless_padding_them_costs_more():
+    # Two short sequences among twelve long ones join the long ones' call (two split off
+    # made the step 5% slower); ten of 60 beside two of 900 stay apart (padded, 8x slower).
+    long = [300, 320, 350, 380, 400, 420, 450, 480, 500, 520, 560, 600]
+    assert decode_group_bounds([40, 50, *long], 16) == [(0, 14)]
+    assert decode_group_bounds([60] * 10 + [900] * 2, 16) == [(0, 10), (10, 12)]
+    assert decode_group_bounds([200] * 20 + [700] * 20, 16) == [(0, 20), (20, 40)]
+    assert decode_group_bounds([], 16) == []
+
+
+def test_decodes_in_separate_attention_calls_stay_exact(tiny_loaded):
+    # Contexts far apart (two prompts of 600 beside ten of a few tokens): the decodes run
+    # as two groups, each padded only to its own longest context.
+    arrivals = [(0, list(range(1000, 1600)), 8), (0, list(range(3000, 3600)), 8)]
+    arrivals += [(18, [5000 + i] * (3 + i), 8) for i in range(10)]
+    engine = _engine(tiny_loaded, num_blocks=400, block_size=4, max_num_seqs=12, budget=64)
+    runner = engine._runner
+    num_groups = []
+    decode_groups = runner._decode_groups
+    runner._decode_groups = lambda decodes: num_groups.append(len(g := decode_groups(decodes))) or g
+    outputs = _run(engine, arrivals)
+    assert max(num_groups) == 2
     for i, (_, prompt, n) in enumerate(arrivals):
         assert outputs[f"r{i}"] == greedy_alone(tiny_loaded, prompt, n)
 
