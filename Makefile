@@ -60,9 +60,13 @@ promtool: venv
 		&& cd / && rm -rf $$tmp; } \
 		|| echo "promtool not installed: the promtool checks of infra/prometheus will be skipped"
 
+# ruff (lint and format), the import rules (import-linter) and the type check (mypy); the
+# same hooks run before each commit once `$(VENV)/bin/pre-commit install` is done.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .llmfleet

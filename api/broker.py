@@ -198,8 +198,9 @@ class Subscription:
             if not await recovery.is_broker_settled(self.redis, self.timing.lost_after_s):
                 return  # the broker just restarted: its worker may not have beaten yet
             code, message = "worker_lost", "the worker generating this request stopped"
-        entry: tuple[str, str] | None = (meta["stream"], meta["entry_id"])
-        request = await _queued_request(self.redis, *entry)
+        stream, entry_id = meta["stream"], meta["entry_id"]
+        entry: tuple[str, str] | None = (stream, entry_id)
+        request = await _queued_request(self.redis, stream, entry_id)
         if request is None:
             # The entry is gone but the request never ended. Seen once in CI; the likely
             # causes are fixed (an enqueue retried by the client after it ran queued the

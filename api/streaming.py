@@ -47,7 +47,7 @@ class ChunkFormat:
         return self._chunk([], usage=_usage_json(usage))
 
     def _chunk(self, choices: list[dict], usage: dict | None) -> dict:
-        chunk = {
+        chunk: dict[str, object] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.is_chat else "text_completion",
             "created": self.created,

@@ -260,7 +260,7 @@ def _scenario(args: ScenarioArgs, base, json_path: str | None) -> None:
         num_workers=args.num_workers,
         requests_per_worker=args.requests_per_worker,
         output_tokens_mean=args.output_tokens_mean,
-        ttft_ratio_max=scenarios.burst_ttft_ratio_max(simulated),
+        ttft_ratio_max=scenarios.burst_ttft_ratio_max(simulated, args.name),
     )
 
     def on_run(label: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from bench.client import RequestResult, progress_bar
@@ -87,7 +87,7 @@ class _Driver:
         outputs = self.engine.step()
         now = self.clock.now()
         self.run.num_steps += 1
-        if (usage := self.engine.stats().get("kv_cache_usage")) is not None:
+        if isinstance(usage := self.engine.stats().get("kv_cache_usage"), int | float):
             self.run.kv_cache_usage.append(usage)
         for output in outputs:
             self.record(output, now)
@@ -120,7 +120,7 @@ def run_engine(
     *,
     temperature: float = 0.0,
     show_progress: bool = True,
-    tenants: list[TenantSpec] = (),
+    tenants: Iterable[TenantSpec] = (),
     until_tenants_done: set[str] | None = None,
     clock=None,
     max_concurrency: int | None = None,

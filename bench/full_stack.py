@@ -24,12 +24,12 @@ from bench import service_recorder
 from bench.client import run_http
 from bench.scenarios import Run, Scenario
 from bench.workload import TenantSpec
+from cli.redis_server import free_port
+from cli.up import LocalStack, api_ready
 from shared import deployments, keys, tenants
 from shared.db import create_schema, make_engine
-from shared.redis_server import free_port
 from shared.settings import Settings
 from shared.tenants import TenantLimits
-from shared.up import LocalStack, api_ready
 
 MODEL_ID = "bench"
 START_TIMEOUT_S = 600

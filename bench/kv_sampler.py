@@ -34,12 +34,11 @@ class KVSampler:
         client = redis.Redis.from_url(self.redis_url, decode_responses=True)
         try:
             while not self._stop.wait(self.interval_s):
-                usages = [
-                    float(info["kv_cache_usage"])
-                    for key in client.scan_iter(keys.worker_heartbeat_pattern())
-                    if (info := client.hgetall(key)).get("model") == self.model
-                    and "kv_cache_usage" in info
-                ]
+                usages = []
+                for key in client.scan_iter(keys.worker_heartbeat_pattern()):
+                    info: dict[str, str] = client.hgetall(key)  # type: ignore[assignment]  # redis-py: sync commands typed Awaitable[T] | T (redis-py#2399)
+                    if info.get("model") == self.model and "kv_cache_usage" in info:
+                        usages.append(float(info["kv_cache_usage"]))
                 if usages:
                     self.samples.append(sum(usages) / len(usages))
         finally:

@@ -16,8 +16,8 @@ from typing import Annotated
 import typer
 
 from bench import report
+from cli.redis_server import EmbeddedRedis, free_port
 from shared.redis_conn import async_client
-from shared.redis_server import EmbeddedRedis, free_port
 from worker.fair_queue import ServiceUpdates
 from worker.pool_service import PoolService
 

@@ -97,7 +97,8 @@ def _plot_cumulative_tokens(axes: Axes, results: list[RequestResult], label: str
     if not results:
         return
     run_start_s = min(r.start_s for r in results)
-    times_s, num_tokens = [], []
+    times_s: list[float] = []
+    num_tokens: list[float] = []
     for r in results:
         # A chunk may carry several tokens: spread the request's usage count over its chunks
         # so the curve ends at the total the server reported.

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from bench.client import RequestResult
@@ -179,7 +180,7 @@ def run_workers(
     decoder,
     workload: list[RequestSpec],
     *,
-    tenants: list[TenantSpec] = (),
+    tenants: Iterable[TenantSpec] = (),
     until_tenants_done: set[str] | None = None,
     pool: PoolCounters | None = None,
 ) -> tuple[list[RequestResult], float]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from worker.engine import ContinuousBatchingEngine, EngineConfig, build_scheduler
+from worker.runner.sampler import SamplingFailure
 from worker.scheduler import SchedulerOutput
 
 NUM_KV_BLOCKS = 8192  # 131k tokens of 16, unless a run sets its pool (burst-kv)
@@ -69,7 +70,7 @@ class CostRunner:
     cost: StepCost
     vocab_size: int = 2**31  # the workloads' token ids are all in the vocabulary
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> list[int | SamplingFailure]:
         self.clock.sleep(self.cost.of(out))
         return [0 for chunk in out.chunks if chunk.is_sampling]
 

@@ -49,15 +49,16 @@ class LocalStack:
         ).start()
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
-        log = open_private_log(self.settings.home / "logs" / f"{name}.log")
         env = {**os.environ, **self.env_overrides, "LLMFLEET_HOME_DIR": str(self.settings.home)}
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cli", *args],
-            stdout=log,
-            stderr=log,
-            env=env,
-            umask=PRIVATE_UMASK,  # what the children write in the home is private too
-        )
+        # The child writes to its own copy of the log's descriptor; ours is closed.
+        with open_private_log(self.settings.home / "logs" / f"{name}.log") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cli", *args],
+                stdout=log,
+                stderr=log,
+                env=env,
+                umask=PRIVATE_UMASK,  # what the children write in the home is private too
+            )
         self.children.append(process)
         return process
 
@@ -168,7 +169,7 @@ def _show_progress(
 
 def _worker_state(client: redis.Redis, pid: int) -> str:
     for key in client.scan_iter(keys.worker_heartbeat_pattern()):
-        info = client.hgetall(key)
+        info: dict[bytes, bytes] = client.hgetall(key)  # type: ignore[assignment]  # redis-py: sync commands typed Awaitable[T] | T (redis-py#2399)
         if info.get(b"pid") == str(pid).encode():
             return info.get(b"state", b"starting").decode()
     return "starting"

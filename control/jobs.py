@@ -55,6 +55,7 @@ async def export_chain_heads(ctx: dict) -> int:
     export = await asyncio.to_thread(
         ledger.export_heads, ctx["engine"], settings.ledger_key, settings.ledger_heads_dir
     )
+    assert export.id is not None  # the commit gave the row its id
     return export.id
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from shared.db import session_scope
 from shared.tables import ChainHeadExport, UsageChainHead, UsageRecord
@@ -116,7 +116,7 @@ def verify(
     `exports`: (document, signature) pairs from exported head files, checked on top of the
     `ChainHeadExport` rows."""
     with session_scope(engine) as session:
-        query = select(UsageRecord).order_by(UsageRecord.tenant_id, UsageRecord.seq)
+        query = select(UsageRecord).order_by(col(UsageRecord.tenant_id), col(UsageRecord.seq))
         heads_query = select(UsageChainHead)
         exports_query = select(ChainHeadExport)
         if tenant_id is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sqlalchemy.engine import Engine
-from sqlmodel import select
+from sqlmodel import col, select
 
 from shared import model_source
 from shared.db import session_scope
@@ -47,7 +47,7 @@ def get_active(engine: Engine, model_id: str) -> ModelDeployment | None:
         return session.exec(
             select(ModelDeployment)
             .where(ModelDeployment.model_id == model_id, ModelDeployment.is_active)
-            .order_by(ModelDeployment.id.desc())
+            .order_by(col(ModelDeployment.id).desc())
         ).first()
 
 
@@ -57,6 +57,6 @@ def list_active(engine: Engine) -> list[ModelDeployment]:
             session.exec(
                 select(ModelDeployment)
                 .where(ModelDeployment.is_active)
-                .order_by(ModelDeployment.model_id, ModelDeployment.id)
+                .order_by(ModelDeployment.model_id, col(ModelDeployment.id))
             )
         )

@@ -143,14 +143,14 @@ async def _read_workers(redis: aioredis.Redis, now_s: float) -> list[WorkerState
     prefix = keys.worker_heartbeat("")
     workers = []
     async for key in redis.scan_iter(match=keys.worker_heartbeat_pattern(), count=100):
-        fields = {_text(k): _text(v) for k, v in (await redis.hgetall(key)).items()}
+        fields = {_text(k): _text(v) for k, v in (await redis.hgetall(key)).items()}  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
         if fields.get("model"):  # gone between SCAN and HGETALL, or not a worker's
             workers.append(WorkerState.from_heartbeat(_text(key)[len(prefix) :], fields, now_s))
     return sorted(workers, key=lambda w: w.worker_id)
 
 
 async def _read_queues(redis: aioredis.Redis, model: str) -> list[QueueState]:
-    tenant_ids = sorted(_text(t) for t in await redis.smembers(keys.model_tenants(model)))
+    tenant_ids = sorted(_text(t) for t in await redis.smembers(keys.model_tenants(model)))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
     async with redis.pipeline(transaction=False) as pipe:
         for tenant_id in tenant_ids:
             stream = keys.tenant_stream(model, tenant_id)

@@ -190,7 +190,7 @@ class Journal:
     async def meta(self, request_id: str) -> dict[str, str]:
         """What the API stored when it enqueued the request (tenant_id, model, kind,
         created, stream, entry_id), plus `owner` once a worker pulled it; {} if unknown."""
-        fields = await self._redis.hgetall(keys.request_meta(request_id))
+        fields = await self._redis.hgetall(keys.request_meta(request_id))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
         return {k.decode(): v.decode() for k, v in fields.items()}
 
     def _args(self, request_id: str, event: TokenEvent) -> dict:

@@ -25,7 +25,7 @@ Layout (all under the `llmfleet:` prefix):
 - `llmfleet:control`             sorted set: arq's queue of control-process jobs (usage events);
                                   arq keeps each job under its own `arq:job:{id}`,
                                   `arq:result:{id}`, `arq:in-progress:{id}`, `arq:retry:{id}`
-                                  keys, with ids `usage:{request_id}` (`shared/control.py`).
+                                  keys, with ids `usage:{request_id}` (`shared/usage_jobs.py`).
 - `llmfleet:service:{model}`      hash with a TTL: tenant id -> tokens computed for the tenant per
                                   unit of its weight, by every worker of the model (the pool's
                                   fair-queuing counters, `worker/pool_service.py`).

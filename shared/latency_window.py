@@ -69,7 +69,7 @@ async def summarize(
     redis: aioredis.Redis, model: str, kind: str, window_s: float = DEFAULT_WINDOW_S
 ) -> LatencySummary:
     """p50 and p99 over the samples of the last `window_s`."""
-    raw = await redis.lrange(keys.latency_samples(model, kind), 0, -1)
+    raw = await redis.lrange(keys.latency_samples(model, kind), 0, -1)  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
     return summarize_raw(raw, time.time() - window_s)
 
 

@@ -55,7 +55,8 @@ class QueuedRequest(BaseModel):
 
     @classmethod
     def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> QueuedRequest:
-        body = fields.get(b"body", fields.get("body"))
+        # No body: "" is invalid JSON, a ValidationError like any other malformed body.
+        body = fields.get(b"body", fields.get("body", ""))
         return cls.model_validate_json(body)
 
 
@@ -131,4 +132,5 @@ def encode_cancel(request_id: str) -> str:
 
 
 def decode_cancel(data: bytes | str) -> str:
-    return json.loads(data)["request_id"]
+    request_id: str = json.loads(data)["request_id"]
+    return request_id

@@ -14,7 +14,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from shared import control, keys, quota, usage
+from shared import keys, quota, usage, usage_jobs
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, QueuedRequest, TokenEvent
 
@@ -46,7 +46,7 @@ async def end_lost(
         output_text="".join(e.text for e in events if isinstance(e, TokenEvent)),
     )
     try:
-        await control.enqueue_usage(redis, event)
+        await usage_jobs.enqueue_usage(redis, event)
     except Exception:
         # Give the end back: whoever tries next (the entry stays pending) records it.
         log.exception("usage of lost request %s not recorded; will retry", request_id)

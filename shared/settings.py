@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     # Server-side secret mixed into API-key hashes. Without one, a random pepper is
     # generated once and kept in the home directory (development only).
     key_pepper: str | None = None
-    # HMAC key of the usage ledger's chains and signed head exports (`shared/ledger.py`).
+    # HMAC key of the usage ledger's chains and signed head exports (`control/ledger.py`).
     # Without one, a random key is generated once and kept in the home directory (development
     # only). Changing it makes every existing chain fail `llmfleet usage verify`.
     ledger_secret: str | None = Field(default=None, min_length=16)
@@ -118,7 +118,7 @@ class Settings(BaseSettings):
     # The longest range `GET /v1/usage` reports, in days (both ends included); longer: 400.
     max_usage_report_days: int = Field(default=366, ge=1)
     # SQLite only: how long a writer waits for another's lock before the write fails (the
-    # control process then retries the usage job later; `shared/control.py`).
+    # control process then retries the usage job later; `control/jobs.py`).
     db_busy_timeout_s: float = 30.0
     # Fault injection, for the chaos tests only: a worker's model step fails whenever its
     # input holds this token id (a "poison" prompt).

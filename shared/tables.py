@@ -80,7 +80,7 @@ class InferenceRequest(SQLModel, table=True):
 
 
 class UsageRecord(SQLModel, table=True):
-    """One billed request, and one link of its tenant's tamper-evident chain (`shared/ledger.py`)."""
+    """One billed request, and one link of its tenant's tamper-evident chain (`control/ledger.py`)."""
 
     __table_args__ = (UniqueConstraint("tenant_id", "seq"),)
 

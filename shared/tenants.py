@@ -16,7 +16,7 @@ from datetime import datetime
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import select
+from sqlmodel import col, select
 
 from shared.db import session_scope
 from shared.settings import Settings, get_settings
@@ -199,7 +199,13 @@ def create_tenant(
     settings = {"tier": tier, "weight": weight, "content_retention_days": content_retention_days}
     check_tenant_fields({**settings, **asdict(limits)})
     with session_scope(engine) as session:
-        tenant = Tenant(name=name, **settings, **asdict(limits))
+        tenant = Tenant(
+            name=name,
+            tier=tier,
+            weight=weight,
+            content_retention_days=content_retention_days,
+            **asdict(limits),
+        )
         session.add(tenant)
         try:
             session.commit()
@@ -262,7 +268,9 @@ def create_key(engine: Engine, tenant_id: str, pepper: bytes) -> str:
 def list_keys(engine: Engine, tenant_id: str) -> list[KeyInfo]:
     """The tenant's keys, revoked ones included, oldest first."""
     with session_scope(engine) as session:
-        rows = session.exec(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id))
+        rows = session.exec(
+            select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(col(ApiKey.id))
+        )
         return [KeyInfo.of(row) for row in rows]
 
 
@@ -295,7 +303,7 @@ def authenticate(engine: Engine, key: str, pepper: bytes) -> Principal | None:
     with session_scope(engine) as session:
         row = session.exec(
             select(ApiKey, Tenant)
-            .join(Tenant, Tenant.id == ApiKey.tenant_id)
+            .join(Tenant, col(Tenant.id) == ApiKey.tenant_id)
             .where(ApiKey.key_hash == key_hash)
         ).first()
     if row is None:

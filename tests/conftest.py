@@ -22,10 +22,10 @@ import redis
 import redis.asyncio as aioredis
 from sqlmodel import Session
 
+from cli.redis_server import EmbeddedRedis, free_port
 from shared import deployments, keys, model_source, tenants
 from shared.db import create_schema, make_engine
 from shared.model_source import DEFAULT_MODEL_ID
-from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
 from shared.tables import Tenant
 from tests import tiny_model
@@ -153,14 +153,14 @@ def default_deployment(db):
 
 
 def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    log = log_path.open("wb")
-    return subprocess.Popen(
-        [sys.executable, "-m", "shared.cli", *args],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
+    with log_path.open("wb") as log:  # the child writes to its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "cli", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
 
 
 def _stop(process: subprocess.Popen) -> None:

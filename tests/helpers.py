@@ -145,9 +145,9 @@ def add_deployment(db, model_id: str) -> ModelDeployment:
 
 
 def llmfleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    """Run the `llmfleet` command line (as `python -m shared.cli`) to completion."""
+    """Run the `llmfleet` command line (as `python -m cli`) to completion."""
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         env=env,
         capture_output=True,
         text=True,

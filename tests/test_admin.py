@@ -13,8 +13,8 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from cli.main import app as cli_app
 from shared import tenants
-from shared.cli import app as cli_app
 from shared.settings import Settings
 from tests.conftest import _stop, spawn_api
 from tests.helpers import assert_error, auth

@@ -13,7 +13,7 @@ SMALL = ["--num-requests", "4", "--prompt-tokens-max", "40", "--output-tokens-me
 
 def _bench(env, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", "bench", *SMALL, *args],
+        [sys.executable, "-m", "cli", "bench", *SMALL, *args],
         env=env,
         capture_output=True,
         text=True,

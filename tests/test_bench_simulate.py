@@ -17,7 +17,7 @@ TTFT_RATIO = "B and C TTFT p99 / alone, A floods ({queueing}) <= 1.3"
 
 
 def _evaluate(name: str, cost: str, **build) -> dict[str, dict]:
-    plan = scenarios.build(name, seed=0, ttft_ratio_max=scenarios.burst_ttft_ratio_max(cost),
+    plan = scenarios.build(name, seed=0, ttft_ratio_max=scenarios.burst_ttft_ratio_max(cost, name),
                            **build)  # fmt: skip
     make_engine = simulate.engine_factory(simulate.COST_MODELS[cost])
     runs, durations = run_plan(plan, EngineConfig(), make_engine, simulate.NullDecoder())
@@ -120,7 +120,7 @@ def test_bench_repeats_a_scenario_in_alternating_order_and_checks_the_means(tmp_
 
     from typer.testing import CliRunner
 
-    from shared.cli import app
+    from cli.main import app
 
     path = tmp_path / "repeat.json"
     result = CliRunner().invoke(app, [

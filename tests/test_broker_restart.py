@@ -13,9 +13,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from cli.redis_server import EmbeddedRedis, free_port
 from shared import keys, recovery, redis_conn
 from shared.journal import Journal
-from shared.redis_server import EmbeddedRedis, free_port
 from tests.conftest import _spawn, _stop
 from tests.factories import make_request
 from tests.helpers import auth

@@ -1,4 +1,4 @@
-"""The control process's jobs (shared/control.py), run by an in-process arq worker on the
+"""The control process's jobs (control/jobs.py), run by an in-process arq worker on the
 test Redis: usage written once, a database outage waited out, content kept and purged
 under a retention policy (end to end through the session's control process too)."""
 
@@ -17,7 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import create_engine
 from sqlmodel import select
 
-from shared import control, usage
+from control import jobs, usage_writer
+from shared import usage, usage_jobs
 from shared.db import session_scope
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.tables import RequestContent, Tenant, UsageRecord
@@ -61,7 +62,7 @@ QUEUE = f"llmfleet:control-test-{uuid.uuid4().hex[:6]}"
 
 
 async def run_burst(settings, engine) -> None:
-    worker = control.make_worker(settings, engine, queue_name=QUEUE, burst=True)
+    worker = jobs.make_worker(settings, engine, queue_name=QUEUE, burst=True)
     try:
         await worker.main()
     finally:
@@ -71,13 +72,13 @@ async def run_burst(settings, engine) -> None:
 async def test_a_usage_event_is_recorded_once(db, settings, aredis, make_tenant, deployment_id):
     tenant_id, _key = make_tenant("control")
     event = make_event(tenant_id, deployment_id)
-    await control.enqueue_usage(aredis, event, QUEUE)
-    await control.enqueue_usage(aredis, event, QUEUE)  # a double delivery: the same job id
+    await usage_jobs.enqueue_usage(aredis, event, QUEUE)
+    await usage_jobs.enqueue_usage(aredis, event, QUEUE)  # a double delivery: the same job id
     await run_burst(settings, db)
     assert [(r.input_tokens, r.output_tokens, r.seq) for r in records_of(db, event.request_id)] == [
         (3, 2, 1)
     ]
-    await control.record_usage(
+    await jobs.record_usage(
         {"settings": settings, "engine": db, "job_try": 1}, event.model_dump(mode="json")
     )
     assert len(records_of(db, event.request_id)) == 1  # a late redelivery: insert-if-absent
@@ -102,9 +103,9 @@ async def test_a_usage_job_lost_with_its_connection_is_not_taken_for_enqueued(
     with monkeypatch.context() as patch:
         patch.setattr(Pipeline, "immediate_execute_command", killed_after_exists)
         with pytest.raises(RedisConnectionError):
-            await control.enqueue_usage(aredis, event, QUEUE)
-    assert await aredis.zscore(QUEUE, control.usage_job_id(event.request_id)) is None
-    await control.enqueue_usage(aredis, event, QUEUE)  # the caller's retry gets it through
+            await usage_jobs.enqueue_usage(aredis, event, QUEUE)
+    assert await aredis.zscore(QUEUE, usage_jobs.usage_job_id(event.request_id)) is None
+    await usage_jobs.enqueue_usage(aredis, event, QUEUE)  # the caller's retry gets it through
     await run_burst(settings, db)
     assert len(records_of(db, event.request_id)) == 1
 
@@ -114,14 +115,14 @@ async def test_a_database_outage_is_waited_out(
 ):
     tenant_id, _key = make_tenant("control-outage")
     event = make_event(tenant_id, deployment_id)
-    await control.enqueue_usage(aredis, event, QUEUE)
+    await usage_jobs.enqueue_usage(aredis, event, QUEUE)
     unreachable = create_engine(f"sqlite:///{tmp_path / 'missing' / 'x.db'}")
-    worker = control.make_worker(settings, unreachable, queue_name=QUEUE, burst=True)
+    worker = jobs.make_worker(settings, unreachable, queue_name=QUEUE, burst=True)
     task = asyncio.create_task(worker.main())
     try:
         await asyncio.sleep(1.5)
         assert records_of(db, event.request_id) == []
-        assert await aredis.zscore(QUEUE, control.usage_job_id(event.request_id))
+        assert await aredis.zscore(QUEUE, usage_jobs.usage_job_id(event.request_id))
         worker.ctx["engine"] = db  # the database is back
         await asyncio.wait_for(task, timeout=30)
     finally:
@@ -138,7 +139,7 @@ async def test_content_is_kept_only_under_a_retention_policy(
     not_kept = make_event(tenant_id, deployment_id)
     assert not_kept.prompt_token_ids is None and not_kept.output_text is None
     for event in (kept, not_kept):
-        await control.enqueue_usage(aredis, event, QUEUE)
+        await usage_jobs.enqueue_usage(aredis, event, QUEUE)
     await run_burst(settings, db)
     with session_scope(db) as session:
         rows = session.exec(
@@ -147,8 +148,8 @@ async def test_content_is_kept_only_under_a_retention_policy(
     assert [(r.request_id, r.prompt_token_ids_json, r.output) for r in rows] == [
         (kept.request_id, "[5, 6, 7]", "hi there")
     ]
-    assert usage.purge_expired_content(db, datetime.now(UTC) + timedelta(days=6)) == 0
-    assert usage.purge_expired_content(db, datetime.now(UTC) + timedelta(days=8)) >= 1
+    assert usage_writer.purge_expired_content(db, datetime.now(UTC) + timedelta(days=6)) == 0
+    assert usage_writer.purge_expired_content(db, datetime.now(UTC) + timedelta(days=8)) >= 1
     with session_scope(db) as session:
         assert session.get(RequestContent, kept.request_id) is None
 

@@ -106,7 +106,10 @@ class DevTools:
         port = port_file.read_text().split()[0]
         targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
         page = next(t for t in targets if t["type"] == "page")
-        self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+        # Entered as a context manager, as websockets asks (a bare connect() is deprecated),
+        # and left in close().
+        self._connection = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+        self.ws = self._connection.__enter__()
         self._next_id = 0
 
     def call(self, method: str, **params) -> dict:
@@ -124,7 +127,7 @@ class DevTools:
         return result["result"].get("value")
 
     def close(self) -> None:
-        self.ws.close()
+        self._connection.__exit__(None, None, None)
         self.process.terminate()
         self.process.wait(30)
 

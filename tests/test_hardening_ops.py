@@ -20,7 +20,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.redis_server import EmbeddedRedis, free_port
+from cli.redis_server import EmbeddedRedis, free_port
 from tests.helpers import auth, stream
 from tests.test_dashboard import ADMIN_KEY, DevTools, _chromium
 
@@ -191,7 +191,7 @@ def test_embedded_redis_keeps_its_aof_and_log_private(tmp_path):
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", *args],
+        [sys.executable, "-m", "cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -222,7 +222,7 @@ def test_up_keeps_the_whole_home_private(fresh_home_env, tmp_path):
     out_path = tmp_path / "up.out"
     with out_path.open("wb") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "up", "--model", "tiny"],
+            [sys.executable, "-m", "cli", "up", "--model", "tiny"],
             env=fresh_home_env,
             stdout=out,
             stderr=subprocess.STDOUT,

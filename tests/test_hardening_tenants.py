@@ -25,8 +25,9 @@ from starlette.requests import Request
 from typer.testing import CliRunner
 
 from api.auth_throttle import client_address
-from shared import deployments, keys, tenants, usage
-from shared.cli import app as cli_app
+from cli.main import app as cli_app
+from control import usage_writer
+from shared import deployments, keys, tenants
 from shared.db import alembic_config, create_schema
 from shared.protocol import SamplingParams, UsageEvent
 from shared.tables import RequestContent, Tenant
@@ -174,7 +175,7 @@ def test_a_usage_event_with_a_huge_retention_is_recorded(db, settings):
         prompt_token_ids=[1, 2],
         output_text="abc",
     )
-    assert usage.record(db, event, settings.ledger_key) is True
+    assert usage_writer.record(db, event, settings.ledger_key) is True
     _assert_kept_for_the_cap(db, event.request_id, datetime.fromtimestamp(now_s, UTC))
 
 

@@ -1,4 +1,4 @@
-"""The usage ledger's chains (shared/ledger.py): appends, and each kind of tampering found."""
+"""The usage ledger's chains (control/ledger.py): appends, and each kind of tampering found."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy import text
 from sqlmodel import select
 
-from shared import ledger, usage
+from control import ledger, usage_writer
+from shared import usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import Settings
@@ -57,7 +58,7 @@ def record_usage(
         arrival_ts=time.time(),
     )
     final = {"finish_reason": "stop", "num_output_tokens": 5, "num_computed_tokens": 8, **final}
-    usage.record(db, usage.usage_event(request, **final), key)
+    usage_writer.record(db, usage.usage_event(request, **final), key)
 
 
 def chain_of(db, tenant_id: str) -> list[UsageRecord]:

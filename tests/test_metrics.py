@@ -14,11 +14,11 @@ from starlette.requests import Request
 
 from api.errors import APIError
 from api.metrics import _check_token
+from cli.redis_server import free_port
 from shared import deployments, keys, latency_window
 from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
 from shared.latency_window import LatencySummary, Sample
 from shared.metrics import ApiMetrics
-from shared.redis_server import free_port
 from tests.factories import CharDecoder, make_request, make_sequence_for
 from tests.helpers import auth, stream
 from worker.engine import ContinuousBatchingEngine

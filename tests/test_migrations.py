@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -17,6 +18,11 @@ def schema_diff(engine) -> list:
         return compare_metadata(MigrationContext.configure(conn), SQLModel.metadata)
 
 
+# SQLite's reflection cannot read the expression index on lower(name) (migration 0002) and
+# says so; the index is checked by the tenant-name tests instead.
+@pytest.mark.filterwarnings(
+    "ignore:Skipped unsupported reflection of expression-based index:sqlalchemy.exc.SAWarning"
+)
 def test_migrations_match_the_tables(tmp_path):
     engine = create_engine(f"sqlite:///{tmp_path / 'fresh.db'}")
     create_schema(engine)

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
+from cli.redis_server import EmbeddedRedis, free_port
 from shared import keys
-from shared.redis_server import EmbeddedRedis, free_port
 from worker.fair_queue import ServiceUpdates
 from worker.pool_service import PoolService, merge_service
 

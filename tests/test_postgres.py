@@ -16,7 +16,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, select
 
-from shared import ledger, tenants, usage
+from control import ledger, usage_writer
+from shared import tenants, usage
 from shared.db import create_schema
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import _with_psycopg_driver
@@ -63,8 +64,10 @@ def test_keys_and_usage_on_postgres(pg):
         arrival_ts=time.time(),
     )
     final = {"finish_reason": "length", "num_output_tokens": 16, "num_computed_tokens": 18}
-    assert usage.record(pg, usage.usage_event(request, **final), b"k")
-    assert not usage.record(pg, usage.usage_event(request, **final), b"k")  # a second delivery
+    assert usage_writer.record(pg, usage.usage_event(request, **final), b"k")
+    assert not usage_writer.record(
+        pg, usage.usage_event(request, **final), b"k"
+    )  # a second delivery
     with Session(pg) as session:
         rows = session.exec(select(UsageRecord).where(UsageRecord.request_id == "cmpl-pg")).all()
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [(3, 16)]
@@ -92,7 +95,7 @@ def test_concurrent_appends_keep_one_chain_on_postgres(pg):
             arrival_ts=time.time(),
         )
         final = {"finish_reason": "stop", "num_output_tokens": i, "num_computed_tokens": i + 1}
-        usage.record(pg, usage.usage_event(request, **final), b"k")
+        usage_writer.record(pg, usage.usage_event(request, **final), b"k")
 
     threads = [threading.Thread(target=append, args=(i,)) for i in range(8)]
     for thread in threads:

@@ -10,10 +10,10 @@ import uuid
 
 from rich.console import Console
 
+from cli.status import models_table, queues_table, workers_table
 from shared import deployments, keys
 from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
 from shared.latency_window import LatencySummary
-from shared.status import models_table, queues_table, workers_table
 from tests.helpers import stream
 
 
@@ -63,7 +63,7 @@ def test_status_command_against_the_running_stack(
     time.sleep(1.2)  # the worker pushes its latency samples once a second
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "shared.cli", "status"],
+            [sys.executable, "-m", "cli", "status"],
             env=env,
             capture_output=True,
             text=True,

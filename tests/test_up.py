@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from shared.redis_server import free_port
+from cli.redis_server import free_port
 from tests.helpers import auth, stream
 
 
@@ -25,7 +25,7 @@ def up_env(tmp_path, tiny_model_dir):
         [
             sys.executable,
             "-m",
-            "shared.cli",
+            "cli",
             "model",
             "add",
             "tiny",
@@ -44,7 +44,7 @@ def test_up_starts_everything_and_stops_cleanly(up_env, tmp_path):
     out_path = tmp_path / "up.out"
     with out_path.open("wb") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "shared.cli", "up", "--model", "tiny"],
+            [sys.executable, "-m", "cli", "up", "--model", "tiny"],
             env=up_env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from sqlmodel import select
 
+from control import usage_writer
 from shared import usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest, SamplingParams
@@ -42,7 +43,7 @@ def record(
         num_output_tokens=num_output,
         num_computed_tokens=2 + num_output,
     )
-    usage.record(
+    usage_writer.record(
         db, event.model_copy(update={"finished_ts": finished.timestamp()}), settings.ledger_key
     )
     return request_id

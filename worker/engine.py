@@ -211,8 +211,21 @@ class StaticBatchEngine:
             self._batch = None
 
 
+class StepRunner(Protocol):
+    """What the continuous engine needs of its runner: `ModelRunner`, or a stand-in such as
+    the benchmark's virtual-time `bench.simulate.CostRunner`."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    def execute(self, out: SchedulerOutput) -> list[int | SamplingFailure]:
+        """One sampled token per sampling chunk, in `out.chunks` order, or its failure."""
+        ...
+
+    def release(self, request_id: str) -> None: ...
+
+
 class ContinuousBatchingEngine:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, runner: StepRunner) -> None:
         self.scheduler = scheduler
         self._runner = runner
 

@@ -72,12 +72,15 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from worker.sequence import Sequence, SequenceStatus
 
 DEFAULT_QUANTUM_TOKENS = 256
 BURST_QUANTA = 4  # the default burst allowance, in quanta (docs/benchmarks.md)
+
+# A sort key of waiting and running work, smaller first: tiers, service, flags and times.
+SortKey: TypeAlias = tuple[float, ...]
 
 
 class WaitingQueue(Protocol):
@@ -98,11 +101,11 @@ class WaitingQueue(Protocol):
         """Tokens computed for `seq` (a prompt chunk, recompute or decode)."""
         ...
 
-    def priority(self, seq: Sequence) -> tuple:
+    def priority(self, seq: Sequence) -> SortKey:
         """Sort key of waiting sequences: smaller goes first."""
         ...
 
-    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], tuple]:
+    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], SortKey]:
         """Sort key of one step's work, running and waiting, given what is running."""
         ...
 
@@ -180,7 +183,7 @@ class FairQueue:
         # Pool-wide counters (module docstring): the pool's last word, and what changed here
         # since the last sync.
         self._pool_service: dict[str, float] = {}
-        self._served_since_sync: Counter[str] = Counter()
+        self._served_since_sync: dict[str, float] = {}  # tenant -> service (per unit of weight)
         self._floors_since_sync: dict[str, float] = {}
 
     def __len__(self) -> int:
@@ -236,11 +239,12 @@ class FairQueue:
         tenant = self._tenant(seq)
         tenant.service += num_tokens / tenant.weight
         tenant.num_charged_ahead = max(0, tenant.num_charged_ahead - num_tokens)
-        self._served_since_sync[seq.tenant_id] += num_tokens / tenant.weight
+        served_since_sync = self._served_since_sync.get(seq.tenant_id, 0)
+        self._served_since_sync[seq.tenant_id] = served_since_sync + num_tokens / tenant.weight
 
     def take_service_updates(self) -> ServiceUpdates:
         updates = ServiceUpdates(dict(self._served_since_sync), self._floors_since_sync)
-        self._served_since_sync = Counter()
+        self._served_since_sync = {}
         self._floors_since_sync = {}
         return updates
 
@@ -251,7 +255,7 @@ class FairQueue:
         self._pool_service = dict(counters)
         for tenant_id, tenant in self.tenants.items():
             if tenant_id in counters:
-                pool_view = counters[tenant_id] + self._served_since_sync[tenant_id]
+                pool_view = counters[tenant_id] + self._served_since_sync.get(tenant_id, 0)
                 tenant.service = max(tenant.service, pool_view)
             else:
                 self._raise_floor(tenant_id, tenant.service)
@@ -261,7 +265,9 @@ class FairQueue:
         within a tenant, decodes before prefill work, then age."""
         return (-seq.tier, self._service(seq), _is_prefill(seq), seq.arrival_s)
 
-    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], tuple]:
+    def step_priority(
+        self, running: list[Sequence]
+    ) -> Callable[[Sequence], tuple[int, float, bool, float]]:
         """`priority`, except that the running work of a tenant whose prompt is part-way
         through its prefill counts one quantum less service (module docstring)."""
         finishing = {seq.tenant_id for seq in running if _is_part_done(seq)}
@@ -307,9 +313,8 @@ class FairQueue:
         }
         waiting_tiers = [tier for tier, ring in self._rings.items() if ring]
         top_tier = max(waiting_tiers, default=-math.inf)
-        least_counter = min(
-            (self.tenants[t].counter for t in self._rings.get(top_tier, ())), default=math.inf
-        )
+        top_ring = self._rings[max(waiting_tiers)] if waiting_tiers else ()
+        least_counter = min((self.tenants[t].counter for t in top_ring), default=math.inf)
         soon = set()
         for tenant_id in tenant_ids:
             tenant = self.tenants.get(tenant_id)
@@ -452,7 +457,7 @@ class FifoQueue:
         """Decodes before prefill work, each in arrival order."""
         return (_is_prefill(seq), seq.arrival_s)
 
-    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], tuple]:
+    def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], tuple[bool, float]]:
         return self.priority
 
     def neediest(self) -> Sequence | None:

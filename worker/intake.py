@@ -38,6 +38,7 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
+from redis.typing import KeyT, StreamIdT
 
 from shared import keys
 from shared.protocol import QueuedRequest
@@ -135,7 +136,7 @@ class Intake:
             return []
         entries = []
         for count in sorted(set(plan.values())):
-            wanted = {streams[t]: ">" for t, n in plan.items() if n == count}
+            wanted: dict[KeyT, StreamIdT] = {streams[t]: ">" for t, n in plan.items() if n == count}
             reply = await self._redis.xreadgroup(
                 keys.WORKER_GROUP, self._consumer, wanted, count=count, block=block_ms
             )
@@ -162,7 +163,7 @@ class Intake:
 
     async def keep_claimed(self, entries: list[StreamEntry]) -> None:
         """Reset the idle time of entries this worker holds, so no one reclaims them."""
-        by_stream: dict[str, list[str]] = {}
+        by_stream: dict[str, list[StreamIdT]] = {}
         for entry in entries:
             by_stream.setdefault(entry.stream, []).append(entry.entry_id)
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -174,7 +175,10 @@ class Intake:
         """Put entries back on their streams for any worker (at the tail: a stream entry id
         cannot go back in time), acknowledging and deleting the ones this worker held."""
         for entry in entries:
-            new_id = await self._redis.xadd(entry.stream, entry.request.to_fields())
+            new_id = await self._redis.xadd(
+                entry.stream,
+                entry.request.to_fields(),  # type: ignore[arg-type]  # redis-py: `fields` is an invariant Dict (redis-py#2917)
+            )
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.xack(entry.stream, keys.WORKER_GROUP, entry.entry_id)
                 pipe.xdel(entry.stream, entry.entry_id)
@@ -209,7 +213,8 @@ class Intake:
     async def _streams(self) -> dict[str, str]:
         """Tenant id -> that tenant's stream for this model."""
         tenants = sorted(
-            _text(t) for t in await self._redis.smembers(keys.model_tenants(self._model))
+            _text(t)
+            for t in await self._redis.smembers(keys.model_tenants(self._model))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
         )
         streams = {tenant: keys.tenant_stream(self._model, tenant) for tenant in tenants}
         for stream in streams.values():

@@ -26,6 +26,7 @@ import time
 from collections import Counter
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT
 
 from shared import keys
 from shared.redis_conn import BROKER_ERRORS
@@ -83,7 +84,7 @@ class PoolService:
         reply was lost after the script ran is sent again: its tokens count twice, one
         step's worth, which the counters' hysteresis of a quantum absorbs.)"""
         updates = _merged(self._unsent, updates)
-        args: list[object] = [len(updates.served)]
+        args: list[EncodableT] = [len(updates.served)]
         for tenant, amount in updates.served.items():
             args += [tenant, repr(amount)]
         args.append(len(updates.floors))

@@ -2,7 +2,7 @@
 request's journal (`shared/journal.py`: appended and published in one script).
 
 A finished request first claims its end in the journal, then its usage is handed to the
-control process (an arq job in Redis, `shared/control.py`, committed to the ledger there),
+control process (an arq job in Redis, `shared/usage_jobs.py`, committed to the ledger there),
 then its tenant's admission is settled, then its final event is appended, then its stream
 entry is acknowledged: an entry is never acknowledged before its usage is durable in Redis
 (the job) and, from there, in SQL. A client reading its usage right after `[DONE]` may wait
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import control, keys, quota, usage
+from shared import keys, quota, usage, usage_jobs
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, FinalEvent, QueuedRequest, TokenEvent, Usage
 from shared.redis_conn import BROKER_ERRORS, retrying
@@ -170,6 +170,7 @@ class Publisher:
         if not await retried(lambda: self._journal.claim_end(request_id, me), "the end"):
             log.warning("request %s was ended elsewhere", request_id)
             return
+        assert output.finish_reason is not None  # only finished outputs are ended
         event = usage.usage_event(
             request,
             finish_reason=output.finish_reason,
@@ -179,7 +180,7 @@ class Publisher:
         )
         try:
             # The control process commits the job to the ledger before dropping it.
-            await retried(lambda: control.enqueue_usage(self._redis, event), "the usage")
+            await retried(lambda: usage_jobs.enqueue_usage(self._redis, event), "the usage")
         except BROKER_ERRORS:
             # Give the end back, so that recovery can record it (see `_finish`).
             await self._journal.release_end(request_id, me)
@@ -209,7 +210,10 @@ class Publisher:
         fields = dead_letter_fields(request, output)
         try:
             await self._redis.xadd(
-                keys.dead_letter(request.model), fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True
+                keys.dead_letter(request.model),
+                fields,  # type: ignore[arg-type]  # redis-py: `fields` is an invariant Dict (redis-py#2917)
+                maxlen=DEAD_LETTER_MAXLEN,
+                approximate=True,
             )
         except (RedisError, OSError):
             log.exception("could not dead-letter %s", request.request_id)

@@ -7,10 +7,10 @@ computes it in one forward pass and returns one sampled token per sampling chunk
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from worker.fair_queue import WaitingQueue
+from worker.fair_queue import SortKey, WaitingQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import PreemptionPolicy
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
@@ -236,7 +236,7 @@ class Scheduler:
         context = seq.num_computed_tokens + num_new
         return max(MIN_PREFILL_CHUNK, min(num_new, self.config.max_prefill_attention // context))
 
-    def _is_waiting_ahead_of(self, seq: Sequence, priority) -> bool:
+    def _is_waiting_ahead_of(self, seq: Sequence, priority: Callable[[Sequence], SortKey]) -> bool:
         head = self.waiting.peek()
         return head is not None and priority(head) < priority(seq)
 
@@ -262,7 +262,7 @@ class Scheduler:
         self._admit(seq, budget, scheduled, out)
         return True
 
-    def _admit(self, seq: Sequence, budget: int, scheduled: set[int], out) -> None:
+    def _admit(self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput) -> None:
         self._charge(seq, seq.num_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

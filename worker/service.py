@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -71,7 +72,7 @@ class Worker:
         self._stopping = asyncio.Event()
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._engine = None
+        self._engine: telemetry.ObservedEngine | None = None
         self._heartbeat_timeout_s = settings.worker_heartbeat_timeout_s
         self._recovery: tuple[Publisher, Reclaimer] | None = None
         self._reclaimed: list[StreamEntry] = []
@@ -121,7 +122,11 @@ class Worker:
             )
             self._recovery = (publisher, reclaimer)
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
-            exporter = asyncio.create_task(telemetry.export(engine, redis, self._config))
+            exporter = asyncio.create_task(
+                telemetry.export(
+                    engine, redis, self._config.metrics_port, self._config.metrics_host
+                )
+            )
             self._state = "ready"
             log.info("worker %s ready for %s", self.worker_id, self._deployment.model_id)
             try:
@@ -173,7 +178,7 @@ class Worker:
                     if flight.entry.entry_id != entry.entry_id:
                         # A second entry for a request served here.
                         await retrying(
-                            lambda e=entry: intake.ack(e),
+                            functools.partial(intake.ack, entry),
                             within_s=self._settings.broker_retry_s,
                             what="a second entry's acknowledgement",
                         )
@@ -199,9 +204,9 @@ class Worker:
     async def _step(self, engine, pool: PoolService | None):
         """One engine step; the pool's counters are synced while it computes (what the
         step computes goes with the next sync) and applied once it is done."""
-        sync = pool and asyncio.create_task(pool.sync(engine.take_service_updates()))
+        sync = asyncio.create_task(pool.sync(engine.take_service_updates())) if pool else None
         outputs = await self._on_engine_thread(engine.step)
-        if sync is not None and (counters := await sync) is not None:
+        if pool is not None and sync is not None and (counters := await sync) is not None:
             engine.apply_pool_service(counters)
             engine.metrics.pool_sync_s.labels(self._deployment.model_id).observe(pool.last_sync_s)
         return outputs

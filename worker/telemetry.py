@@ -36,7 +36,6 @@ from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 
 if TYPE_CHECKING:  # worker.engine imports the model runner, so torch
     from worker.engine import Engine, EngineConfig
-    from worker.service import WorkerConfig
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -218,12 +217,12 @@ class ObservedEngine:
 async def export(
     engine: ObservedEngine,
     redis: aioredis.Redis,
-    config: WorkerConfig,
+    metrics_port: int,
+    metrics_host: str,
     interval_s: float = EXPORT_INTERVAL_S,
 ) -> None:
-    """Serve `/metrics` on `config.metrics_port` (0: not at all) and push latency samples to
-    Redis, until cancelled. A port already taken is logged, not fatal: serving comes first."""
-    metrics_port, metrics_host = config.metrics_port, config.metrics_host
+    """Serve `/metrics` on `metrics_port` (0: not at all) and push latency samples to Redis,
+    until cancelled. A port already taken is logged, not fatal: serving comes first."""
     server = None
     if metrics_port:
         try:

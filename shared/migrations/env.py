@@ -28,7 +28,10 @@ connection = config.attributes.get("connection")
 if connection is not None:
     _migrate(connection)
 else:
-    engine = create_engine(config.get_main_option("sqlalchemy.url"))
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:
+        raise RuntimeError("alembic: no connection handed over and no sqlalchemy.url configured")
+    engine = create_engine(url)
     with engine.connect() as conn:
         _migrate(conn)
     engine.dispose()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import redis
 
+from cli.redis_server import EmbeddedRedis, free_port
 from shared import deployments, keys, tenants
 from shared.db import create_schema, make_engine
-from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import Settings
 from tests.chaos.proxy import CuttingProxy
 from tests.conftest import _spawn, _stop, _wait_ready, spawn_api

@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 
-from shared.redis_server import free_port
+from cli.redis_server import free_port
 
 _BUFFER_BYTES = 65536
 _TICK_S = 0.02

@@ -24,7 +24,9 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         """Rows of the embedding table: every input token id must be below it."""
-        return self.model.get_input_embeddings().num_embeddings
+        embeddings = self.model.get_input_embeddings()  # typed as any nn.Module
+        assert isinstance(embeddings, torch.nn.Embedding)
+        return embeddings.num_embeddings
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +59,7 @@ def load(source: ModelSource, device: str = "auto", dtype: str = "auto") -> Load
     log.info("loading %s on %s (%s)", source, torch_device, torch_dtype)
     model = AutoModelForCausalLM.from_pretrained(
         source.directory, dtype=torch_dtype, **source.load_kwargs
-    ).to(torch_device)
+    ).to(torch_device)  # type: ignore[arg-type]  # `@wraps(nn.Module.to)` types it unbound: self first
     model.eval()
     return LoadedModel(model, torch_device, _eos_ids(model), _pad_id(model))
 

@@ -38,13 +38,13 @@ class PaddedBatch:
         self._next_positions: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def prefill(self) -> list[int]:
+    def prefill(self) -> list[int | sampler.SamplingFailure]:
         positions = (self._attention_mask.cumsum(-1) - 1).clamp(min=0)
         self._next_positions = positions[:, -1:] + 1
         return self._forward(self._input_ids, positions)
 
     @torch.inference_mode()
-    def decode(self, last_token_ids: list[int]) -> list[int]:
+    def decode(self, last_token_ids: list[int]) -> list[int | sampler.SamplingFailure]:
         assert self._next_positions is not None, "prefill first"
         tokens = torch.tensor(last_token_ids, device=self._loaded.device).unsqueeze(-1)
         ones = torch.ones_like(tokens)
@@ -53,7 +53,9 @@ class PaddedBatch:
         self._next_positions = positions + 1
         return self._forward(tokens, positions)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[int]:
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> list[int | sampler.SamplingFailure]:
         out = self._loaded.model(
             input_ids=input_ids,
             attention_mask=self._attention_mask,

@@ -1,0 +1,1 @@
+"""The `llmfleet` command: process verbs, tenants and keys, models, usage; the local stack."""
