@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast chaos lint venv clean test-tools chromium promtool
+.PHONY: run test test-fast test-unit chaos lint venv clean test-tools chromium promtool
 
 venv: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ test: venv test-tools
 
 test-fast: venv test-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The unit tests alone: none that starts the platform's processes (marker `e2e`: tests/e2e/,
+# tests/chaos/) or loads the real model.
+test-unit: venv
+	$(PY) -m pytest -m "not e2e and not slow" $(PYTEST_ARGS)
 
 # The chaos suite at full size: 500 requests per scenario (`make test` runs 64 each).
 CHAOS_REQUESTS ?= 500

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from worker.fair_queue import DEFAULT_QUANTUM_TOKENS
+from worker.config import DEFAULT_ENGINE, EngineConfig
 
 # Heavy modules (numpy, matplotlib, torch) are imported inside the functions, so that every
 # other `llmfleet` command starts fast.
@@ -103,14 +103,14 @@ def bench(
     slo_ttft_s: float = 2.0,
     slo_tpot_s: float = 0.2,
     source: Annotated[str, typer.Option(help="Weights for engine-direct runs.")] = "smollm2-135m",
-    batching: Annotated[str, typer.Option(help="Engine-direct engine.")] = "continuous",
-    max_batch_size: int = 8,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 192,
-    kv_cache_gb: float | None = None,
+    batching: Annotated[str, typer.Option(help="Engine-direct engine.")] = DEFAULT_ENGINE.batching,
+    max_batch_size: int = DEFAULT_ENGINE.max_batch_size,
+    max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs,
+    max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
+    kv_cache_gb: float | None = DEFAULT_ENGINE.kv_cache_gb,
     quantum_tokens: Annotated[
         int, typer.Option(help="Scenarios: fair queuing's tokens per round per unit of weight.")
-    ] = DEFAULT_QUANTUM_TOKENS,
+    ] = DEFAULT_ENGINE.quantum_tokens,
     burst_tokens: Annotated[
         int | None, typer.Option(help="Scenarios: fair queuing's burst allowance (4 quanta).")
     ] = None,
@@ -123,8 +123,6 @@ def bench(
         _roofline(source, dtype, roofline_batch or [1, 8, 32, 64], roofline_context, json_path)
         return
     if scenario:
-        from worker.engine import EngineConfig
-
         base = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -177,7 +175,7 @@ def bench(
     if modes:
         from bench.engine_direct import run_engine
         from shared import model_source
-        from worker.engine import EngineConfig, build_engine
+        from worker.engine import build_engine
         from worker.runner import loader
 
         resolved = model_source.resolve(source)

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shared.protocol import QueuedRequest, SamplingParams
-from worker.engine import EngineConfig, build_engine
+from worker.config import EngineConfig
+from worker.engine import build_engine
 from worker.runner.loader import LoadedModel
 from worker.runner.model_runner import kv_bytes_per_token
 from worker.sequence import Sequence

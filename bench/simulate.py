@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.engine import ContinuousBatchingEngine, EngineConfig, build_scheduler
+from worker.config import EngineConfig
+from worker.engine import ContinuousBatchingEngine, build_scheduler
 from worker.runner.sampler import SamplingFailure
 from worker.scheduler import SchedulerOutput
 

@@ -17,6 +17,7 @@ from cli.models import model_app
 from cli.tenants import key_app, tenant_app
 from cli.usage import usage_app
 from shared.settings import get_settings
+from worker.config import DEFAULT_ENGINE, EngineConfig
 
 app = typer.Typer(help="llmfleet: multi-tenant LLM serving.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
@@ -100,13 +101,21 @@ def api(
 @app.command()
 def worker(
     model: Annotated[str, typer.Option(help="Model id of the deployment to serve.")],
-    batching: Annotated[str, typer.Option(help="continuous | static | one")] = "continuous",
-    max_batch_size: Annotated[int, typer.Option(help="static: sequences per batch.")] = 8,
-    max_num_seqs: Annotated[int, typer.Option(help="continuous: sequences in the batch.")] = 64,
+    batching: Annotated[
+        str, typer.Option(help="continuous | static | one")
+    ] = DEFAULT_ENGINE.batching,
+    max_batch_size: Annotated[
+        int, typer.Option(help="static: sequences per batch.")
+    ] = DEFAULT_ENGINE.max_batch_size,
+    max_num_seqs: Annotated[
+        int, typer.Option(help="continuous: sequences in the batch.")
+    ] = DEFAULT_ENGINE.max_num_seqs,
     max_num_batched_tokens: Annotated[
         int, typer.Option(help="continuous: tokens per step (prefill chunk budget).")
-    ] = 192,
-    block_size: Annotated[int, typer.Option(help="continuous: tokens per KV block.")] = 16,
+    ] = DEFAULT_ENGINE.max_num_batched_tokens,
+    block_size: Annotated[
+        int, typer.Option(help="continuous: tokens per KV block.")
+    ] = DEFAULT_ENGINE.block_size,
     kv_cache_gb: Annotated[
         float | None,
         typer.Option(help="continuous: KV pool size (default 2 on CPU, 85% of free GPU memory)."),
@@ -117,10 +126,10 @@ def worker(
     ] = None,
     queueing: Annotated[
         str, typer.Option(help="continuous: fair (tenants, tiers, weights) | fifo (baseline).")
-    ] = "fair",
+    ] = DEFAULT_ENGINE.queueing,
     quantum_tokens: Annotated[
         int, typer.Option(help="fair queuing: tokens a tenant may start per round per weight.")
-    ] = 256,
+    ] = DEFAULT_ENGINE.quantum_tokens,
     burst_tokens: Annotated[
         int | None,
         typer.Option(
@@ -156,7 +165,6 @@ def worker(
     """Run a worker that serves one model deployment."""
     from shared import deployments
     from shared.model_source import DEFAULT_MODEL_ID
-    from worker.engine import EngineConfig
     from worker.service import FAIRNESS_SCOPES, Worker, WorkerConfig
 
     _setup_logging()

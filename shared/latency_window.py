@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from shared import keys
+from shared.redis_conn import text
 
 KINDS = ("ttft", "itl")
 MAX_NUM_SAMPLES = 2000
@@ -76,7 +77,7 @@ async def summarize(
 def summarize_raw(raw: Sequence[bytes | str], since_s: float) -> LatencySummary:
     values = []
     for item in raw:
-        at_s, _, value_s = (item.decode() if isinstance(item, bytes) else item).partition(" ")
+        at_s, _, value_s = text(item).partition(" ")
         # Not a break at the first old sample: pushes of several workers interleave.
         if float(at_s) >= since_s:
             values.append(float(value_s))

@@ -53,6 +53,7 @@ import redis.asyncio as aioredis
 
 from shared import keys
 from shared.protocol import QueuedRequest
+from shared.redis_conn import text
 from shared.tenants import TenantLimits
 
 MIN_RETRY_AFTER_S = 1
@@ -233,7 +234,7 @@ async def _admit(
             num_tokens,
         ],
     )
-    limit, wait_ms = _text(reply[0]), int(reply[1])
+    limit, wait_ms = text(reply[0]), int(reply[1])
     if limit == "ok":
         return None
     retry_after_s = max(MIN_RETRY_AFTER_S, math.ceil(wait_ms / 1000))
@@ -289,7 +290,3 @@ def _limits_by_name(limits: TenantLimits) -> dict[str, int | None]:
         "requests_per_minute": limits.requests_per_minute,
         "tokens_per_minute": limits.tokens_per_minute,
     }
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

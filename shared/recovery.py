@@ -14,7 +14,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from shared import keys, quota, usage, usage_jobs
+from shared import quota, stream_queue, usage, usage_jobs
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, QueuedRequest, TokenEvent
 
@@ -57,7 +57,7 @@ async def end_lost(
     keeps_content = bool(request.content_retention_days)  # None or 0: never stored
     await journal.append_end(request_id, claimer, error, keeps_content=keeps_content)
     if entry is not None:
-        await ack(redis, *entry)
+        await stream_queue.ack(redis, *entry)
     log.warning("request %s ended: %s", request_id, code)
     return True
 
@@ -69,11 +69,3 @@ async def is_broker_settled(redis: aioredis.Redis, heartbeat_timeout_s: float) -
     still reconnecting: ending their requests as lost then would end live streams."""
     info = await redis.info("server")
     return float(info.get("uptime_in_seconds", 0)) > 2 * heartbeat_timeout_s
-
-
-async def ack(redis: aioredis.Redis, stream: str, entry_id: str) -> None:
-    """Acknowledge and delete a queue entry (the stream is a queue, and it holds the prompt)."""
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.xack(stream, keys.WORKER_GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        await pipe.execute()

@@ -60,3 +60,8 @@ async def retrying(call: Callable[[], Awaitable[T]], *, within_s: float, what: s
             log.warning("%s: broker unreachable (%s); retrying", what, exc)
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, MAX_RETRY_DELAY_S)
+
+
+def text(value: bytes | str) -> str:
+    """A Redis reply as text: bytes from a client without `decode_responses`, else as is."""
+    return value.decode() if isinstance(value, bytes) else value

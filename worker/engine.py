@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
-from worker.fair_queue import DEFAULT_QUANTUM_TOKENS, FairQueue, FifoQueue, ServiceUpdates
+from worker.config import EngineConfig
+from worker.fair_queue import FairQueue, FifoQueue, ServiceUpdates
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.runner import guard, model_runner
@@ -32,25 +32,6 @@ log = logging.getLogger("llmfleet.worker")
 # The error code of a sequence whose sampling failed in a step that went well for the rest.
 SAMPLING_ERROR = "sampling_error"
 NO_TOKEN = -1  # in place of a failed sample: `postprocess` skips a finished sequence
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    batching: str = "continuous"  # "continuous" | "static" | "one"
-    max_batch_size: int = 8  # static batching
-    max_num_seqs: int = 64  # continuous batching: sequences in the batch
-    max_num_batched_tokens: int = 192  # continuous batching: tokens per step (chunked prefill)
-    block_size: int = 16  # tokens per KV block
-    kv_cache_gb: float | None = (
-        None  # KV pool size; None: 2 GB on CPU, a fraction of free GPU memory
-    )
-    num_kv_blocks: int | None = None  # the KV pool in blocks, overriding kv_cache_gb
-    gpu_memory_fraction: float = 0.85
-    queueing: str = "fair"  # continuous batching: "fair" (tenants, tiers) | "fifo" (baseline)
-    # Fault injection for the chaos tests: a model step whose input holds this token id fails.
-    fault_token_id: int | None = None
-    quantum_tokens: int = DEFAULT_QUANTUM_TOKENS  # fair queuing: tokens per round per weight
-    burst_tokens: int | None = None  # fair queuing: a returning tenant's lead (4 quanta)
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:

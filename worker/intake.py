@@ -40,8 +40,9 @@ from pydantic import ValidationError
 from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
 
-from shared import keys
+from shared import keys, stream_queue
 from shared.protocol import QueuedRequest
+from shared.redis_conn import text
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -142,7 +143,7 @@ class Intake:
             )
             for stream, messages in reply or []:
                 for entry_id, fields in messages:
-                    entry = await self._decode(_text(stream), _text(entry_id), fields)
+                    entry = await self._decode(text(stream), text(entry_id), fields)
                     if entry is not None:
                         entries.append(entry)
         return await self._drop_ended(entries)
@@ -180,8 +181,7 @@ class Intake:
                 entry.request.to_fields(),  # type: ignore[arg-type]  # redis-py: `fields` is an invariant Dict (redis-py#2917)
             )
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.xack(entry.stream, keys.WORKER_GROUP, entry.entry_id)
-                pipe.xdel(entry.stream, entry.entry_id)
+                stream_queue.ack_in(pipe, entry.stream, entry.entry_id)
                 pipe.hset(keys.request_meta(entry.request.request_id), "entry_id", new_id)
                 await pipe.execute()
 
@@ -200,20 +200,17 @@ class Intake:
                 stream, keys.WORKER_GROUP, self._consumer, min_idle_ms, count=max_count
             )
             for entry_id, fields in reply[1]:
-                if fields and (entry := await self._decode(stream, _text(entry_id), fields)):
+                if fields and (entry := await self._decode(stream, text(entry_id), fields)):
                     entries.append(entry)
         return entries
 
     async def ack(self, entry: StreamEntry) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.xack(entry.stream, keys.WORKER_GROUP, entry.entry_id)
-            pipe.xdel(entry.stream, entry.entry_id)
-            await pipe.execute()
+        await stream_queue.ack(self._redis, entry.stream, entry.entry_id)
 
     async def _streams(self) -> dict[str, str]:
         """Tenant id -> that tenant's stream for this model."""
         tenants = sorted(
-            _text(t)
+            text(t)
             for t in await self._redis.smembers(keys.model_tenants(self._model))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
         )
         streams = {tenant: keys.tenant_stream(self._model, tenant) for tenant in tenants}
@@ -237,10 +234,5 @@ class Intake:
         except (ValidationError, TypeError, ValueError):
             # Nobody can serve a malformed entry, and nobody is waiting on it by id: drop it.
             log.error("dropping malformed entry %s on %s", entry_id, stream)
-            await self._redis.xack(stream, keys.WORKER_GROUP, entry_id)
-            await self._redis.xdel(stream, entry_id)
+            await stream_queue.ack(self._redis, stream, entry_id)
             return None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT
 
 from shared import keys
-from shared.redis_conn import BROKER_ERRORS
+from shared.redis_conn import BROKER_ERRORS, text
 from worker.fair_queue import ServiceUpdates
 
 log = logging.getLogger("llmfleet.worker")
@@ -100,7 +100,7 @@ class PoolService:
             return None
         self.last_sync_s = time.perf_counter() - started
         self._unsent = ServiceUpdates()
-        return {_text(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
+        return {text(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
 
 
 def _merged(first: ServiceUpdates, then: ServiceUpdates) -> ServiceUpdates:
@@ -112,7 +112,3 @@ def _merged(first: ServiceUpdates, then: ServiceUpdates) -> ServiceUpdates:
     for tenant, floor in then.floors.items():
         floors[tenant] = max(floor, floors.get(tenant, -math.inf))
     return ServiceUpdates(dict(served), floors)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

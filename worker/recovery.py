@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from shared import keys, recovery
+from shared import keys, recovery, stream_queue
 from shared.journal import Journal
 from worker.intake import Intake, StreamEntry
 
@@ -68,7 +68,7 @@ class Reclaimer:
                 await self._intake.give_to(entry, owner)  # idle, not dead (a broker outage)
                 continue
             if await self._journal.is_done(request_id):
-                await recovery.ack(self._redis, entry.stream, entry.entry_id)
+                await stream_queue.ack(self._redis, entry.stream, entry.entry_id)
             elif await self._journal.last_seq(request_id) >= 0:
                 await recovery.end_lost(
                     self._redis,

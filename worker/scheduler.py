@@ -62,8 +62,9 @@ MIN_PREFILL_CHUNK = 16
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # token budget per step: bounds step time, so decode ITL
+    # Given by the engine's settings (`worker/config.py`, where the defaults live).
+    max_num_seqs: int
+    max_num_batched_tokens: int  # token budget per step: bounds step time, so decode ITL
     # A prefill chunk's attention costs (chunk tokens x context): late chunks of a long prompt
     # are cut so that product stays under this (256 x 512), or one 256-token chunk at 2,048
     # tokens of context makes its step 4x a decode step (docs/benchmarks.md).

@@ -26,11 +26,12 @@ from redis.exceptions import RedisError
 from shared import keys, model_source, recovery
 from shared.journal import Journal
 from shared.protocol import decode_cancel
-from shared.redis_conn import BROKER_ERRORS, async_client, retrying
+from shared.redis_conn import BROKER_ERRORS, async_client, retrying, text
 from shared.settings import Settings
 from shared.tables import ModelDeployment
 from worker import telemetry
-from worker.engine import EngineConfig, build_engine
+from worker.config import EngineConfig
+from worker.engine import build_engine
 from worker.intake import Intake, StreamEntry
 from worker.pool_service import PoolService
 from worker.publisher import Publisher
@@ -316,6 +317,6 @@ class Worker:
     async def _forget_dead_workers(self, redis: aioredis.Redis, model: str) -> None:
         """Drop capacity entries of workers whose heartbeat expired (they died uncleanly)."""
         for member in await redis.zrange(keys.model_capacity(model), 0, -1):
-            worker_id = member.decode() if isinstance(member, bytes) else member
+            worker_id = text(member)
             if not await redis.exists(keys.worker_heartbeat(worker_id)):
                 await redis.zrem(keys.model_capacity(model), worker_id)

@@ -35,7 +35,8 @@ from shared.metrics import WorkerMetrics
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 
 if TYPE_CHECKING:  # worker.engine imports the model runner, so torch
-    from worker.engine import Engine, EngineConfig
+    from worker.config import EngineConfig
+    from worker.engine import Engine
 
 log = logging.getLogger("llmfleet.worker")
 

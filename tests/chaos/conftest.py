@@ -13,6 +13,16 @@ from tests.chaos.checks import SUMMARY_HEADER
 from tests.chaos.harness import Stack
 
 SUMMARY_KEY = pytest.StashKey[list[str]]()
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every scenario starts a platform of its own: they are end-to-end tests (`e2e`), like
+    those of tests/e2e/. A conftest's hook sees every collected item, not only this folder's."""
+    for item in items:
+        if item.path.resolve().is_relative_to(HERE):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -136,7 +136,7 @@ SCENARIOS = {
     "worker_kill9": (kill_worker, {"worker_lost"}, {}, {}),
     # A drain timeout shorter than the running requests: unstarted ones are handed back,
     # running ones that do not finish in time end `worker_shutdown` (graceful drains that
-    # finish everything: tests/test_recovery.py).
+    # finish everything: tests/e2e/test_recovery.py).
     "worker_sigterm": (
         sigterm_worker,
         {"worker_shutdown"},

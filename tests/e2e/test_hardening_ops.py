@@ -21,8 +21,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from cli.redis_server import EmbeddedRedis, free_port
+from tests.e2e.test_dashboard import ADMIN_KEY, DevTools, _chromium
 from tests.helpers import auth, stream
-from tests.test_dashboard import ADMIN_KEY, DevTools, _chromium
 
 # The usual umask: what the processes must not rely on to keep their files private.
 OPEN_UMASK = 0o022

@@ -11,7 +11,7 @@ from bench.engine_direct import run_engine
 from bench.scenario_driver import run_plan
 from bench.workload import make_workload
 from tests.factories import make_sequence
-from worker.engine import EngineConfig
+from worker.config import EngineConfig
 
 TTFT_RATIO = "B and C TTFT p99 / alone, A floods ({queueing}) <= 1.3"
 

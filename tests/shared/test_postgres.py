@@ -74,7 +74,7 @@ def test_keys_and_usage_on_postgres(pg):
 
 
 def test_migrations_match_the_tables_on_postgres(pg):
-    from tests.test_migrations import schema_diff
+    from tests.shared.test_migrations import schema_diff
 
     assert schema_diff(pg) == []
 

@@ -12,7 +12,7 @@ import httpx
 
 from tests.helpers import auth, llmfleet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tenant_create_prints_a_working_key_once(env, api_url, settings):

@@ -1,0 +1,41 @@
+"""`llmfleet status`: the fleet snapshot as tables, from a constructed snapshot (against the
+running stack: tests/e2e/test_status.py)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from cli.status import models_table, queues_table, workers_table
+from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
+from shared.latency_window import LatencySummary
+
+
+def _render(*tables) -> str:
+    console = Console(record=True, width=200)
+    for table in tables:
+        console.print(table)
+    return console.export_text()
+
+
+def test_tables_show_queues_workers_and_latencies():
+    worker = WorkerState(
+        "host-1-abc", "m", "ready", 1.25, num_running=3, num_waiting=1, kv_cache_usage=0.5,
+        max_num_seqs=4, num_preemptions=2,
+    )  # fmt: skip
+    snap = ModelSnapshot(
+        "m",
+        [QueueState("ten_1", num_entries=7, num_pending=3, num_consumers=2)],
+        [worker],
+        LatencySummary(10, 0.1234, 0.9),
+        LatencySummary(40, 0.02, 0.05),
+    )
+    fleet = FleetSnapshot(0.0, {"m": snap}, {"ten_1": "acme"})
+    text = _render(models_table(fleet, 60), workers_table(fleet), queues_table(fleet))
+    assert "Models (latency over the last 60 s)" in text
+    model_row = next(line for line in text.splitlines() if "│ m " in line and "1/1" in line)
+    for cell in ["1/1", "50.0%", "75.0%", "123.4 ms", "900.0 ms", "20.0 ms", "50.0 ms", "10/40"]:
+        assert cell in model_row
+    worker_row = next(line for line in text.splitlines() if "host-1-abc" in line)
+    assert all(cell in worker_row for cell in ["ready", "50.0%", "1.2 s"])
+    queue_row = next(line for line in text.splitlines() if "acme" in line)
+    assert [c for c in queue_row.replace("│", " ").split()][-4:] == ["7", "3", "4", "2"]
