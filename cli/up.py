@@ -82,7 +82,10 @@ def run_local(settings: Settings, *, model: str, batching: str) -> None:
     make_private_dir(settings.home)
     stack = LocalStack(settings)
     console = stack.console
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the children on SIGTERM too
+    # Ctrl-C and SIGTERM stop the children. SIGINT explicitly too: a shell's background job
+    # starts with SIGINT ignored, and Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         with console.status("starting Redis and the database...") as status:
             stack.start_redis()
