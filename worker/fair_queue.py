@@ -1,69 +1,15 @@
-"""Which waiting sequence enters the batch next: weighted deficit round-robin over tenants,
-charged in tokens, with strict priority between tiers, on one account of service per tenant
-that every worker of the pool shares.
+"""Which waiting sequence enters the batch next: weighted deficit round-robin over tenants in
+tokens, strict priority between tiers, on one service counter per tenant (VTC's) that every
+worker of the pool shares (`worker/pool_service.py`). Plain Python, no torch, no I/O.
 
-Plain Python, no torch, no I/O. The scheduler asks `peek()` whenever it has room, takes the
-sequence with `pop()`, charges a sequence's tokens when it admits it and counts every token
-computed as served.
+- Admission (`peek`/`pop`): the highest tier waiting; within it, round-robin over the tenants
+  whose counter (service per unit of weight, plus what is charged ahead) is below the round's
+  line. A tenant that starts waiting is lifted to at most a burst below its competition.
+- A full batch: `neediest` may displace a lower tier's work, or another tenant's a quantum
+  beyond it in service (`may_displace`); `starting_soon` tells the intake whom to read.
+- Within a step (`step_priority`): the least served tenant first, decodes before prefill.
 
-One counter per tenant orders everything (VTC's virtual counter, Sheng et al., OSDI'24):
-
-- `service`: the tokens computed for the tenant (prompt chunks, decodes, recompute after a
-  preemption) per unit of its weight. In a pool of workers it is the pool's counter
-  (`worker/pool_service.py`): every worker adds what it computes and reads back what the
-  others did, once a step, so the shares hold for the pool as a whole, whichever worker
-  serves whom. Counters only grow.
-- *Charged ahead*: tokens charged at admission and not computed yet (the rest of an admitted
-  prompt, on this worker; given back if the sequence is preempted or ends first). A prompt
-  counts from its admission, so a tenant cannot be admitted again and again within a step,
-  or while its long prompt is being prefilled chunk by chunk.
-
-Admission (`peek`/`pop`) is weighted deficit round-robin (DRR, Shreedhar & Varghese 1995) in
-tokens, its deficits read off the counters: only the highest tier with anything waiting is
-served (higher tiers win contested admission); within it, the tenants waiting are visited
-round-robin (after each pick the tenant goes to the back, so tenants interleave request by
-request), and a tenant is eligible while its counter (`service + charged ahead / weight`) is
-below the round's line, its deficit per unit of weight being how far below. When none is
-below, the next round begins: the line moves to the next multiple of `quantum_tokens` above
-the least counter. So in each round every backlogged tenant gets a quantum per unit of
-weight; tenants with nothing waiting gain nothing (credit never accrues while idle); a
-tenant whose many running sequences keep decoding falls behind one that waits; and since
-the deficits are the pool's counters, they are one account for the whole pool rather than
-one per worker.
-
-A tenant that starts waiting is placed against its competition (the tenants waiting in its
-tier or, none waiting, the tenant that last stopped waiting), VTC's lift: its counter is
-lifted to at most `burst_tokens` (default four quanta) below the least-served competitor's.
-Staying away earns at most a burst of service ahead of the others (a light tenant's few
-prompts in a row go first, as they would on an idle machine, ahead of the backlogged
-tenants' next turns), using idle capacity is not punished, and backlogged tenants, which
-never start waiting, keep their shares.
-
-It is work-conserving: whenever any sequence waits, `peek()` returns one.
-
-When the batch is full, `neediest()` (the head of the waiting tenant with the highest tier
-and the least service) may displace running work that `may_displace` allows: a lower tier's,
-or another tenant's at least a quantum beyond it in service (the scheduler preempts it).
-`starting_soon` tells the worker's intake which tenants' requests would start at once (by
-displacing) or at the next free place (the least served), so that it takes them even with
-the batch full, and only those. Tenants the counters keep within a quantum of each other do
-not preempt each other.
-
-The order of work *within* a step (`step_priority`: decodes, the next chunk of an admitted
-prompt, and the admission of the next waiting sequence) follows the counters too: the least
-served tenant first, and within a tenant decodes before prefill work. A light tenant's
-prompts, up to its burst allowance, thus go before a flood's decodes and chunks. One
-exception: the running work of a tenant whose prompt is part-way through its prefill counts
-one quantum less service, so a started prompt finishes before the new prompts of tenants
-within a quantum of its own, as in VTC, where a prompt admitted is prefilled at once.
-Without it, two light tenants leapfrog: each chunk computed lifts its tenant's counter above
-the other's, whose next prompt then goes first, and the first prompt's last tokens wait a
-step or two (docs/benchmarks.md). A tenant a quantum or more below still goes first (a light
-tenant's prompt before a flood's chunks).
-
-Before session 7 each worker kept deficits of its own, refilled by rounds and set from the
-counters when a tenant started waiting, with two exceptions for tenants a quantum behind;
-deficits read off shared counters replace all of that (docs/benchmarks.md).
+The rules and the measurements behind each: docs/architecture.md, "Tenancy".
 """
 
 from __future__ import annotations
