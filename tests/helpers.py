@@ -144,14 +144,16 @@ def add_deployment(db, model_id: str) -> ModelDeployment:
         return deployment
 
 
-def llmfleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    """Run the `llmfleet` command line (as `python -m cli`) to completion."""
+def llmfleet(env: dict[str, str], *args: str, umask: int = -1) -> subprocess.CompletedProcess:
+    """Run the `llmfleet` command line (as `python -m cli`) to completion; `umask`: the
+    child's (-1: this process's)."""
     return subprocess.run(
         [sys.executable, "-m", "cli", *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
+        umask=umask,
     )
 
 

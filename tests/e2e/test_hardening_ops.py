@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cli.redis_server import EmbeddedRedis, free_port
 from tests.e2e.test_dashboard import ADMIN_KEY, DevTools, _chromium
-from tests.helpers import auth, stream
+from tests.helpers import auth, llmfleet, stream
 
 # The usual umask: what the processes must not rely on to keep their files private.
 OPEN_UMASK = 0o022
@@ -189,23 +189,12 @@ def test_embedded_redis_keeps_its_aof_and_log_private(tmp_path):
     assert _readable_by_others(home) == []
 
 
-def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        umask=OPEN_UMASK,
-    )
-
-
 @pytest.fixture
 def fresh_home_env(tmp_path, tiny_model_dir) -> dict[str, str]:
     """The environment of a platform in a home of its own, with the tiny model registered."""
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
     env.update(LLMFLEET_HOME_DIR=str(tmp_path / "home"), LLMFLEET_API_PORT=str(free_port()))
-    added = _cli(env, "model", "add", "tiny", "--source", str(tiny_model_dir))
+    added = llmfleet(env, "model", "add", "tiny", "--source", str(tiny_model_dir), umask=OPEN_UMASK)
     assert added.returncode == 0, added.stderr
     return env
 
@@ -257,7 +246,7 @@ def test_an_existing_open_home_is_closed(tmp_path, env):
     home = tmp_path / "old-home"
     home.mkdir(mode=0o755)
     home.chmod(0o755)
-    result = _cli({**env, "LLMFLEET_HOME_DIR": str(home)}, "model", "list")
+    result = llmfleet({**env, "LLMFLEET_HOME_DIR": str(home)}, "model", "list", umask=OPEN_UMASK)
     assert result.returncode == 0, result.stderr
     assert _mode(home) == 0o700
     assert _readable_by_others(home) == []
