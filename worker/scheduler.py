@@ -172,7 +172,7 @@ class Scheduler:
         while can_admit and budget > 0:
             can_admit = self._admit_next(budget, scheduled, out)
             budget = self.config.max_num_batched_tokens - out.num_batched_tokens
-        self._check_invariants()
+        self._check_invariants(out)
         return out
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
@@ -190,7 +190,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         self._schedule_running(seq, self.config.max_num_batched_tokens, set(), out)
-        self._check_invariants()
+        self._check_invariants(out)
         return out
 
     def step_failed(self, out: SchedulerOutput, reason: str) -> list[SequenceOutput]:
@@ -219,8 +219,8 @@ class Scheduler:
         self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput
     ) -> int:
         """Schedule `seq`'s next tokens within `budget`; the budget left."""
-        if budget == 0 or seq.status is not SequenceStatus.RUNNING:
-            return budget  # out of budget, or preempted earlier in this step
+        if budget == 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in scheduled:
+            return budget  # out of budget, preempted earlier in this step, or admitted in it
         num_new = self._chunk_size(seq, budget)
         if not self._make_room(seq, num_new, scheduled, out):
             return budget
@@ -388,7 +388,9 @@ class Scheduler:
         elif any(waiting is seq for waiting in self.waiting):
             self.waiting.remove(seq)
 
-    def _check_invariants(self) -> None:
+    def _check_invariants(self, out: SchedulerOutput) -> None:
+        if len({id(chunk.seq) for chunk in out.chunks}) != len(out.chunks):
+            raise RuntimeError("a sequence scheduled twice in one step")
         num_held = sum(len(seq.block_table) for seq in self.running)
         if num_held + self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
             raise RuntimeError("KV blocks leaked or double-freed")

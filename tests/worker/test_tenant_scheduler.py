@@ -201,6 +201,20 @@ def test_a_higher_tier_displaces_lower_tier_work_from_a_full_batch():
     assert dict(scheduler.num_preemptions_by_tenant) == {"free": 1}
 
 
+def test_a_displacer_is_scheduled_once_and_samples_one_token():
+    # Admitted before the running sequences are walked, the displacer was once scheduled a
+    # second time in the same step: its prompt computed twice and two tokens sampled from
+    # one position (the exactness property test found it: [1000, 1000] for [1000, 46682]).
+    for places in (0, 1):
+        scheduler, _low = _full_of_free_tier(num_blocks=100, prompt=4,
+                                             num_displacement_places=places)  # fmt: skip
+        scheduler.add(gold := make_sequence(9, 4, 3, tenant_id="gold", tier=2))
+        out = scheduler.schedule()
+        assert [chunk.seq for chunk in out.chunks].count(gold) == 1
+        scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])
+        assert gold.num_output_tokens == 1 and gold.num_computed_total == 4
+
+
 def test_a_tenant_a_quantum_below_a_flood_displaces_it_from_a_full_batch():
     scheduler = _fair_scheduler(quantum=16, max_num_seqs=2, budget=64, num_blocks=100)
     flood = [make_sequence(i, 8, 50, tenant_id="a") for i in range(6)]
