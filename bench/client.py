@@ -37,7 +37,7 @@ class RequestResult:
     end_s: float = 0.0  # when [DONE] (or the error) arrived
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # from the usage chunk, else the number of text chunks
-    num_computed_tokens: int = 0  # engine-direct only: prompt, decodes and recompute
+    num_computed_tokens: int = 0  # prompt, decodes and recompute (full stack: the ledger's)
     # When the server had queued it: over HTTP when the response's headers arrived (the API
     # answers once the request is admitted and enqueued); engine-direct, its arrival.
     accepted_s: float = 0.0

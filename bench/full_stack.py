@@ -19,9 +19,10 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 
 import redis
+from sqlmodel import Session, select
 
 from bench import service_recorder
-from bench.client import run_http
+from bench.client import RequestResult, run_http
 from bench.scenarios import Run, Scenario
 from bench.workload import TenantSpec
 from cli.redis_server import free_port
@@ -29,10 +30,12 @@ from cli.up import LocalStack, api_ready
 from shared import deployments, keys, tenants
 from shared.db import create_schema, make_engine
 from shared.settings import Settings
+from shared.tables import UsageRecord
 from shared.tenants import TenantLimits
 
 MODEL_ID = "bench"
 START_TIMEOUT_S = 600
+LEDGER_TIMEOUT_S = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Platform:
     url: str
     tenant_keys: dict[str, str]  # scenario tenant name -> API key
     redis_url: str
+    settings: Settings
     home: Path
 
 
@@ -65,7 +69,9 @@ def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
                     tenant_keys=started.tenant_keys,
                 )
             )
+            computed = _computed_tokens(started.settings, results)
         for result in results:
+            result.num_computed_tokens = computed.get(result.request_id, 0)
             result.published = published.get(result.request_id, [])
         runs[planned.label], durations[planned.label] = results, duration_s
     return runs, durations
@@ -109,12 +115,34 @@ def platform(
         for index in range(run.num_workers):
             stack.spawn(f"worker-{index}", "worker", *_worker_args(run, index, ids, base, dtype))
         _wait_ready(settings, run.num_workers, stack)
-        yield Platform(f"http://127.0.0.1:{port}", tenant_keys, settings.redis_url, home)
+        url = f"http://127.0.0.1:{port}"
+        yield Platform(url, tenant_keys, settings.redis_url, settings, home)
         is_done = True
     finally:
         stack.stop()
         if is_done:
             shutil.rmtree(home, ignore_errors=True)  # else the logs stay, for the error
+
+
+def _computed_tokens(settings: Settings, results: list[RequestResult]) -> dict[str, int]:
+    """Each finished request's computed tokens (prompt, decodes, recompute), as the usage
+    ledger has them: the control process writes a record per request a moment after its
+    stream ends, so this waits up to `LEDGER_TIMEOUT_S` for all of them."""
+    request_ids = [r.request_id for r in results if r.is_ok and r.request_id]
+    engine = make_engine(settings)
+    deadline = time.monotonic() + LEDGER_TIMEOUT_S
+    try:
+        while True:
+            with Session(engine) as session:
+                rows = session.exec(
+                    select(UsageRecord.request_id, UsageRecord.computed_tokens)
+                ).all()
+            computed = dict(rows)
+            if all(rid in computed for rid in request_ids) or time.monotonic() > deadline:
+                return computed
+            time.sleep(0.5)
+    finally:
+        engine.dispose()
 
 
 def _worker_args(run: Run, index: int, ids: dict[str, str], base, dtype: str) -> list[str]:
