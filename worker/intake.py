@@ -28,10 +28,11 @@ pending list, where it can be reclaimed if this worker dies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,6 +110,11 @@ class Intake:
         """New entries for the engine's free places, spread over the tenants' streams, and
         heads that would start soon (`plan_pull`); while busy, the preferred tenants'
         first. Idle (`block_ms`), one read of every stream that waits up to `block_ms`."""
+        with self._groups_recreated_if_gone():
+            return await self._pull(engine, block_ms)
+        return []
+
+    async def _pull(self, engine: IntakeView, block_ms: int | None) -> list[StreamEntry]:
         room = engine.num_free_slots()
         if not room and not self._is_fair and block_ms is None:
             return []  # FIFO waits for room: nothing to read, not even the streams
@@ -195,14 +201,28 @@ class Intake:
         """Entries idle for `min_idle_ms` (their worker stopped keeping them), now this
         worker's (`XAUTOCLAIM`)."""
         entries = []
-        for stream in (await self._streams()).values():
-            reply = await self._redis.xautoclaim(
-                stream, keys.WORKER_GROUP, self._consumer, min_idle_ms, count=max_count
-            )
-            for entry_id, fields in reply[1]:
-                if fields and (entry := await self._decode(stream, text(entry_id), fields)):
-                    entries.append(entry)
+        with self._groups_recreated_if_gone():
+            for stream in (await self._streams()).values():
+                reply = await self._redis.xautoclaim(
+                    stream, keys.WORKER_GROUP, self._consumer, min_idle_ms, count=max_count
+                )
+                for entry_id, fields in reply[1]:
+                    if fields and (entry := await self._decode(stream, text(entry_id), fields)):
+                        entries.append(entry)
         return entries
+
+    @contextlib.contextmanager
+    def _groups_recreated_if_gone(self) -> Iterator[None]:
+        """A tenant's stream, and with it the `workers` group, deleted under this worker (an
+        operator's DEL or FLUSHALL, a broker restored without it): Redis answers NOGROUP.
+        Nothing is read this turn, and the groups are created again at the next one."""
+        try:
+            yield
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("a tenant stream's consumer group is gone; creating it again: %s", exc)
+            self._streams_with_group.clear()
 
     async def ack(self, entry: StreamEntry) -> None:
         await stream_queue.ack(self._redis, entry.stream, entry.entry_id)

@@ -78,3 +78,80 @@ async def test_an_idle_worker_takes_its_room_from_every_stream(aredis):
     other = f"m-{uuid.uuid4().hex[:8]}"
     await _enqueue(aredis, other, "a", 0)  # a stream with nothing on it
     assert await Intake(aredis, other, "w1").pull(_Engine(num_free=6), 50) == []
+
+
+def _unique(tenant: str, i: int = 0):
+    request = make_request(i, [1, 2, 3], 4, tenant_id=tenant)
+    return request.model_copy(update={"request_id": uuid.uuid4().hex})
+
+
+async def _put(aredis, model: str, request) -> str:
+    await aredis.sadd(keys.model_tenants(model), request.tenant_id)
+    entry_id = await aredis.xadd(keys.tenant_stream(model, request.tenant_id), request.to_fields())
+    return entry_id.decode()
+
+
+async def test_a_malformed_entry_is_dropped_and_the_rest_is_served(aredis):
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    good = _unique("a")
+    await aredis.sadd(keys.model_tenants(model), "a")
+    stream = keys.tenant_stream(model, "a")
+    await aredis.xadd(stream, {"body": '{"request_id": "no rest"}'})
+    await _put(aredis, model, good)
+    entries = await Intake(aredis, model, "w1").pull(_Engine(num_free=4), 50)
+    assert [e.request.request_id for e in entries] == [good.request_id]
+    assert await aredis.xlen(stream) == 1  # the malformed one acknowledged and deleted
+
+
+async def test_an_entry_of_a_request_that_already_ended_is_acknowledged_not_served(aredis):
+    # Delivered again after it ended (handed back or reclaimed in a race): not served twice.
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    ended, fresh = _unique("a", 0), _unique("a", 1)
+    await aredis.set(keys.request_done(ended.request_id), "worker-0", ex=60)
+    for request in (ended, fresh):
+        await _put(aredis, model, request)
+    entries = await Intake(aredis, model, "w1").pull(_Engine(num_free=4), 50)
+    assert [e.request.request_id for e in entries] == [fresh.request_id]
+    assert await aredis.xlen(keys.tenant_stream(model, "a")) == 1
+
+
+async def test_handed_back_entries_go_to_the_tail_for_any_worker(aredis):
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    request = _unique("a")
+    old_id = await _put(aredis, model, request)
+    w1, w2 = Intake(aredis, model, "w1"), Intake(aredis, model, "w2")
+    (entry,) = await w1.pull(_Engine(num_free=1), 50)
+    assert await w2.pull(_Engine(num_free=1), 50) == []  # w1 holds it
+    await w1.hand_back([entry])
+    (again,) = await w2.pull(_Engine(num_free=1), 50)
+    assert again.request.request_id == request.request_id and again.entry_id != old_id
+    assert await aredis.hget(keys.request_meta(request.request_id), "entry_id") == (
+        again.entry_id.encode()
+    )
+    pending = await aredis.xpending(keys.tenant_stream(model, "a"), keys.WORKER_GROUP)
+    assert pending["pending"] == 1 and pending["consumers"] == [{"name": b"w2", "pending": 1}]
+
+
+async def test_entries_left_idle_by_a_stopped_worker_are_claimed(aredis):
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    request = _unique("a")
+    await _put(aredis, model, request)
+    dead, alive = Intake(aredis, model, "dead"), Intake(aredis, model, "alive")
+    await dead.pull(_Engine(num_free=1), 50)
+    assert await alive.claim_idle(min_idle_ms=60_000, max_count=16) == []  # not idle yet
+    (claimed,) = await alive.claim_idle(min_idle_ms=0, max_count=16)
+    assert claimed.request.request_id == request.request_id
+
+
+async def test_a_stream_deleted_under_the_worker_is_read_again_once_it_comes_back(aredis):
+    # Its consumer group went with it: XREADGROUP answers NOGROUP, which stopped the worker.
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    await _put(aredis, model, _unique("a"))
+    intake = Intake(aredis, model, "w1")
+    assert len(await intake.pull(_Engine(num_free=4), 50)) == 1
+    await aredis.delete(keys.tenant_stream(model, "a"))
+    await aredis.xadd(keys.tenant_stream(model, "a"), _unique("a").to_fields())  # no group
+    assert await intake.pull(_Engine(num_free=4), 50) == []
+    assert await intake.claim_idle(min_idle_ms=0, max_count=16) == []
+    (entry,) = await intake.pull(_Engine(num_free=4), 50)  # the group is there again
+    assert entry.request.tenant_id == "a"
