@@ -14,7 +14,7 @@ Pub/sub is at most once, so events are also read from the request's journal
 (`shared/journal.py`): at the start (a resumed stream catches up), on a gap in `seq`, and
 whenever the channel has been silent for `stream_idle_check_s`. A silent request whose
 worker stopped heartbeating after it had started generating is ended here with
-`worker_lost` (`shared/recovery.py`), so a stream ends even when no other worker is left to
+`worker_lost` (`shared/ending.py`), so a stream ends even when no other worker is left to
 notice.
 """
 
@@ -36,9 +36,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, recovery
+from shared.ending import end_request, failed
 from shared.journal import Journal
 from shared.logs import bind_request
 from shared.protocol import (
+    ErrorCode,
     ErrorEvent,
     FinalEvent,
     QueuedRequest,
@@ -188,7 +190,7 @@ class Subscription:
             queue_deadline_ts = float(meta.get("queue_deadline_ts", "inf"))
             if time.time() <= queue_deadline_ts:
                 return  # waiting; a live worker will reclaim it if its puller died
-            code, message = "queue_timeout", "the request waited past its queue deadline"
+            code, message = ErrorCode.QUEUE_TIMEOUT, "the request waited past its queue deadline"
         else:
             if time.monotonic() - self._last_event_s < self.timing.lost_after_s:
                 return  # quiet, not yet long enough to tell a dead worker from a pause
@@ -197,7 +199,7 @@ class Subscription:
                 return  # its worker is alive
             if not await recovery.is_broker_settled(self.redis, self.timing.lost_after_s):
                 return  # the broker just restarted: its worker may not have beaten yet
-            code, message = "worker_lost", "the worker generating this request stopped"
+            code, message = ErrorCode.WORKER_LOST, "the worker generating this request stopped"
         stream, entry_id = meta["stream"], meta["entry_id"]
         entry: tuple[str, str] | None = (stream, entry_id)
         request = await _queued_request(self.redis, stream, entry_id)
@@ -210,14 +212,13 @@ class Subscription:
             request, entry = _request_from_meta(meta), None
             if request is None:
                 return
-        await recovery.end_lost(
+        await end_request(
             self.redis,
             self.journal,
             request,
             entry,
+            failed(code, message),
             claimer=f"api-{os.getpid()}",
-            code=code,
-            message=message,
         )
 
     async def close(self, *, cancel_if_unfinished: bool = True) -> None:

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from api.broker import Subscription
 from api.errors import APIError
-from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage
+from shared.protocol import ErrorCode, ErrorEvent, FinalEvent, TokenEvent, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +202,7 @@ def _usage_json(usage: Usage) -> dict:
 
 # Errors a worker finds in the request itself (worker/runner/guard.py), which the API's
 # schema should have refused: the client's fault, so 400; every other end is the server's.
-REQUEST_ERROR_CODES = frozenset({"invalid_sampling_params", "invalid_prompt"})
+REQUEST_ERROR_CODES = frozenset({ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT})
 
 
 def _error_status(event: ErrorEvent) -> tuple[int, str]:

@@ -87,7 +87,7 @@ class _Driver:
         outputs = self.engine.step()
         now = self.clock.now()
         self.run.num_steps += 1
-        if isinstance(usage := self.engine.stats().get("kv_cache_usage"), int | float):
+        if (usage := self.engine.stats().kv_cache_usage) is not None:
             self.run.kv_cache_usage.append(usage)
         for output in outputs:
             self.record(output, now)

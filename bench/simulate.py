@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from worker.config import EngineConfig
 from worker.engine import ContinuousBatchingEngine, build_scheduler
 from worker.runner.sampler import SamplingFailure
-from worker.scheduler import SchedulerOutput
+from worker.step_batch import StepBatch
 
 NUM_KV_BLOCKS = 8192  # 131k tokens of 16, unless a run sets its pool (burst-kv)
 
@@ -34,12 +34,10 @@ class StepCost:
     per_token_s: float
     per_context_token_s: float = 0.0
 
-    def of(self, out: SchedulerOutput) -> float:
-        context = sum(chunk.end for chunk in out.decodes)
+    def of(self, batch: StepBatch) -> float:
+        context = sum(chunk.end for chunk in batch.decodes)
         return (
-            self.fixed_s
-            + self.per_token_s * out.num_batched_tokens
-            + self.per_context_token_s * context
+            self.fixed_s + self.per_token_s * batch.num_tokens + self.per_context_token_s * context
         )
 
 
@@ -71,9 +69,9 @@ class CostRunner:
     cost: StepCost
     vocab_size: int = 2**31  # the workloads' token ids are all in the vocabulary
 
-    def execute(self, out: SchedulerOutput) -> list[int | SamplingFailure]:
-        self.clock.sleep(self.cost.of(out))
-        return [0 for chunk in out.chunks if chunk.is_sampling]
+    def execute(self, batch: StepBatch) -> list[int | SamplingFailure]:
+        self.clock.sleep(self.cost.of(batch))
+        return [0 for chunk in batch.chunks if chunk.is_sampling]
 
     def release(self, request_id: str) -> None:
         pass

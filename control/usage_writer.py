@@ -14,11 +14,15 @@ from sqlmodel import col, select
 
 from control import ledger
 from shared.db import session_scope
-from shared.protocol import UsageEvent
+from shared.protocol import FinishReason, UsageEvent
 from shared.tables import InferenceRequest, RequestContent, UsageRecord
 from shared.tenants import retention_days_in_range
 
-_STATUS = {"stop": "completed", "length": "completed", "cancelled": "cancelled"}
+_STATUS = {
+    FinishReason.STOP: "completed",
+    FinishReason.LENGTH: "completed",
+    FinishReason.CANCELLED: "cancelled",
+}
 
 
 def record(engine: Engine, event: UsageEvent, ledger_key: bytes) -> bool:
@@ -53,7 +57,7 @@ def _request_row(event: UsageEvent, arrived_at: datetime, finished_at: datetime)
         sampling_json=event.sampling.model_dump_json(),
         num_prompt_tokens=event.input_tokens,
         status=_STATUS.get(event.finish_reason, "failed"),
-        finish_reason=event.finish_reason,
+        finish_reason=event.finish_reason.value,
         arrived_at=arrived_at,
         finished_at=finished_at,
     )
@@ -67,7 +71,7 @@ def _usage_row(event: UsageEvent, arrived_at: datetime, finished_at: datetime) -
         input_tokens=event.input_tokens,
         output_tokens=event.output_tokens,
         computed_tokens=event.computed_tokens,
-        finish_reason=event.finish_reason,
+        finish_reason=event.finish_reason.value,
         arrived_at=arrived_at,
         finished_at=finished_at,
         seq=0,  # the chain position and links: `ledger.append` fills them in

@@ -7,9 +7,35 @@ request's pub/sub channel. Each carries a `seq` so a reader can tell a gap.
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class FinishReason(StrEnum):
+    """Why a request ended: a final event's `finish_reason` (all but `error`), and the
+    usage ledger's."""
+
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens
+    CANCELLED = "cancelled"  # the client went away
+    DEADLINE = "deadline"  # the request's deadline passed while it ran
+    ERROR = "error"  # ended by an error event
+
+
+class ErrorCode(StrEnum):
+    """An error event's `code`. New codes reach the API before the workers send them (the
+    API decodes events with this enum)."""
+
+    INVALID_SAMPLING_PARAMS = "invalid_sampling_params"  # the client's: HTTP 400
+    INVALID_PROMPT = "invalid_prompt"  # the client's: HTTP 400
+    KV_CACHE_CAPACITY = "kv_cache_capacity"  # can never fit this worker's KV cache
+    QUEUE_TIMEOUT = "queue_timeout"  # waited past its queue deadline
+    MODEL_ERROR = "model_error"  # the model step failed on it alone, repeatedly
+    SAMPLING_ERROR = "sampling_error"  # its sampling failed (e.g. NaN logits)
+    WORKER_LOST = "worker_lost"  # its worker stopped heartbeating mid-stream
+    WORKER_SHUTDOWN = "worker_shutdown"  # its worker shut down before it finished
 
 
 class SamplingParams(BaseModel):
@@ -72,7 +98,7 @@ class UsageEvent(BaseModel):
     input_tokens: int
     output_tokens: int  # delivered: what is billed
     computed_tokens: int  # prompt, decodes and recompute after preemptions: the cost
-    finish_reason: str  # stop | length | cancelled | deadline | error
+    finish_reason: FinishReason
     arrival_ts: float
     finished_ts: float
     # Only under a retention policy: the prompt (token ids: the publisher holds no
@@ -104,14 +130,16 @@ class FinalEvent(BaseModel):
     type: Literal["final"] = "final"
     seq: int
     text: str = ""
-    finish_reason: Literal["stop", "length", "cancelled", "deadline"]
+    finish_reason: Literal[
+        FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.DEADLINE
+    ]
     usage: Usage
 
 
 class ErrorEvent(BaseModel):
     type: Literal["error"] = "error"
     seq: int
-    code: str
+    code: ErrorCode
     message: str
 
 

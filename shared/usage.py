@@ -13,21 +13,20 @@ from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
 from shared.db import session_scope
-from shared.protocol import QueuedRequest, UsageEvent
+from shared.protocol import FinishReason, QueuedRequest, UsageEvent
 from shared.tables import ModelDeployment, UsageRecord
 
 
 def usage_event(
     request: QueuedRequest,
     *,
-    finish_reason: str,
+    finish_reason: FinishReason,
     num_output_tokens: int,
     num_computed_tokens: int,
     output_text: str | None = None,
 ) -> UsageEvent:
     """The usage of a finished request, with its prompt and output only if its tenant keeps
-    them. `finish_reason`: stop, length, cancelled, deadline, or error (failed: refused, lost
-    with its worker, poisoned); the output tokens are those delivered."""
+    them. The output tokens are those delivered."""
     is_kept = request.content_retention_days is not None
     return UsageEvent(
         request_id=request.request_id,

@@ -1,7 +1,8 @@
 """The import rules of the code base (docs/architecture.md, "Layout"), read off the code.
 
-- Layers (import-linter's contract in pyproject.toml): `bench` > `cli` > the processes
-  (`api`, `worker`, `control`, none importing another) > `shared`.
+- Layers (import-linter's contracts in pyproject.toml): `bench` > `cli` > the processes
+  (`api`, `worker`, `control`, none importing another) > `shared`; the model runner sees
+  plain data (`worker/step_batch.py`), never the scheduler's live sequences.
 - Only the model runner (`worker/runner/`) and the bench tools that measure it import torch.
 - No import cycles between modules, lazy imports inside functions included.
 """

@@ -10,11 +10,14 @@ engine.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from shared.protocol import ErrorCode
 from worker.config import EngineConfig
 from worker.fair_queue import FairQueue, FifoQueue, ServiceUpdates
 from worker.kv_cache import KVCacheManager
@@ -26,11 +29,10 @@ from worker.runner.padded_batch import PaddedBatch
 from worker.runner.sampler import SamplingFailure
 from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
+from worker.step_batch import StepBatch
 
 log = logging.getLogger("llmfleet.worker")
 
-# The error code of a sequence whose sampling failed in a step that went well for the rest.
-SAMPLING_ERROR = "sampling_error"
 NO_TOKEN = -1  # in place of a failed sample: `postprocess` skips a finished sequence
 
 
@@ -65,6 +67,31 @@ def build_scheduler(config: EngineConfig, num_blocks: int) -> Scheduler:
     raise ValueError(f"unknown queueing {config.queueing!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """An engine's state between steps: the heartbeat carries it (`heartbeat_fields`) and
+    the worker's telemetry reads it after every step."""
+
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int  # places in the batch
+    max_num_tokens_per_sequence: int | None = None  # the KV cache's bound, if it has one
+    kv_cache_usage: float | None = None  # fraction of KV blocks in use (continuous only)
+    kv_cache_blocks: int | None = None
+    num_preemptions: int = 0
+    num_preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
+
+    def heartbeat_fields(self) -> dict[str, int | float | str]:
+        """As Redis hash fields (read back by `shared.fleet.WorkerState`); None left out."""
+        fields: dict[str, int | float | str] = {}
+        for name, value in asdict(self).items():
+            if isinstance(value, dict):
+                fields[name] = json.dumps(value)
+            elif value is not None:
+                fields[name] = value
+        return fields
+
+
 class Engine(Protocol):
     def add(self, seq: Sequence) -> SequenceOutput | None:
         """Take a sequence; an output at once if it is refused."""
@@ -93,7 +120,7 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
     def step(self) -> list[SequenceOutput]: ...
-    def stats(self) -> dict[str, float | dict[str, int]]: ...
+    def stats(self) -> EngineStats: ...
 
 
 class StaticBatchEngine:
@@ -106,8 +133,9 @@ class StaticBatchEngine:
         self._last_token_ids: list[int] = []
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
-        if (error := guard.refusal(seq, self._loaded.vocab_size)) is not None:
-            return seq.refuse(error.code, error.message)
+        vocab_size = self._loaded.vocab_size
+        if (refusal := guard.refusal(seq.prompt_token_ids, seq.sampling, vocab_size)) is not None:
+            return seq.refuse(*refusal)
         self._waiting.append(seq)
         return None
 
@@ -148,8 +176,8 @@ class StaticBatchEngine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def stats(self) -> dict[str, float | dict[str, int]]:
-        return {"num_running": len(self._running), "num_waiting": len(self._waiting)}
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self._running), len(self._waiting), self.max_batch_size)
 
     def step(self) -> list[SequenceOutput]:
         if self._batch is None:
@@ -177,7 +205,7 @@ class StaticBatchEngine:
         for seq, token in zip(self._running, sampled, strict=True):
             if isinstance(token, SamplingFailure):
                 if not seq.is_finished:
-                    outputs.append(seq.refuse(SAMPLING_ERROR, token.message))
+                    outputs.append(seq.refuse(ErrorCode.SAMPLING_ERROR, token.message))
                 token = self._loaded.pad_token_id  # the row keeps its slot till the batch ends
             elif not seq.is_finished:
                 outputs.append(seq.append_token(token))
@@ -198,8 +226,8 @@ class StepRunner(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
-    def execute(self, out: SchedulerOutput) -> list[int | SamplingFailure]:
-        """One sampled token per sampling chunk, in `out.chunks` order, or its failure."""
+    def execute(self, batch: StepBatch) -> list[int | SamplingFailure]:
+        """One sampled token per sampling chunk, in `batch.chunks` order, or its failure."""
         ...
 
     def release(self, request_id: str) -> None: ...
@@ -211,8 +239,9 @@ class ContinuousBatchingEngine:
         self._runner = runner
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
-        if (error := guard.refusal(seq, self._runner.vocab_size)) is not None:
-            return seq.refuse(error.code, error.message)
+        vocab_size = self._runner.vocab_size
+        if (refusal := guard.refusal(seq.prompt_token_ids, seq.sampling, vocab_size)) is not None:
+            return seq.refuse(*refusal)
         return self.scheduler.add(seq)
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
@@ -249,27 +278,25 @@ class ContinuousBatchingEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    @property
-    def max_num_tokens_per_sequence(self) -> int:
-        return self.scheduler.kv_cache.max_num_tokens_per_sequence
-
-    def stats(self) -> dict[str, float | dict[str, int]]:
+    def stats(self) -> EngineStats:
         scheduler = self.scheduler
-        return {
-            "num_running": scheduler.num_running,
-            "num_waiting": scheduler.num_waiting,
-            "kv_cache_usage": round(scheduler.kv_cache.usage, 4),
-            "kv_cache_blocks": scheduler.kv_cache.num_blocks,
-            "num_preemptions": scheduler.num_preemptions,
-            "num_preemptions_by_tenant": dict(scheduler.num_preemptions_by_tenant),
-        }
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            max_num_seqs=scheduler.config.max_num_seqs,
+            max_num_tokens_per_sequence=scheduler.kv_cache.max_num_tokens_per_sequence,
+            kv_cache_usage=round(scheduler.kv_cache.usage, 4),
+            kv_cache_blocks=scheduler.kv_cache.num_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_preemptions_by_tenant=dict(scheduler.num_preemptions_by_tenant),
+        )
 
     def step(self) -> list[SequenceOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         try:
-            sampled = self._runner.execute(out)
+            sampled = self._runner.execute(out.batch())
         except Exception as exc:  # one request may break the model: find it, spare the rest
             log.exception("model step failed for %d sequences", len(out.chunks))
             return self._released(self.scheduler.step_failed(out, f"{type(exc).__name__}"))
@@ -277,7 +304,9 @@ class ContinuousBatchingEngine:
         token_ids = [NO_TOKEN if isinstance(t, SamplingFailure) else t for t in sampled]
         outputs = self.scheduler.postprocess(out, token_ids)
         # After `postprocess`, so that the step's computed tokens count in their usage.
-        outputs += [seq.refuse(SAMPLING_ERROR, failure.message) for seq, failure in failed]
+        outputs += [
+            seq.refuse(ErrorCode.SAMPLING_ERROR, failure.message) for seq, failure in failed
+        ]
         for output in outputs:
             if output.is_finished:
                 self._runner.release(output.request_id)

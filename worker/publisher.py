@@ -1,24 +1,20 @@
 """Send a step's outputs to the clients: token events, then the final event, through the
 request's journal (`shared/journal.py`: appended and published in one script).
 
-A finished request first claims its end in the journal, then its usage is handed to the
-control process (an arq job in Redis, `shared/usage_jobs.py`, committed to the ledger there),
-then its tenant's admission is settled, then its final event is appended, then its stream
-entry is acknowledged: an entry is never acknowledged before its usage is durable in Redis
-(the job) and, from there, in SQL. A client reading its usage right after `[DONE]` may wait
-for the control process (typically well under a second). If the journal refuses an event,
-someone else is serving or has ended the request (a second delivery, or a reclaim after this worker
-was taken for dead): the request is *orphaned* here: its sequence is aborted, nothing more
-is published, recorded or acknowledged for it.
+A finished request is ended by `shared/ending.py`: claim the end, hand the usage to the
+control process, settle the admission, append the final event, acknowledge the entry. A
+client reading its usage right after `[DONE]` may wait for the control process (typically
+well under a second). If the journal refuses an event, someone else is serving or has
+ended the request (a second delivery, or a reclaim after this worker was taken for dead):
+the request is *orphaned* here: its sequence is aborted, nothing more is published,
+recorded or acknowledged for it.
 
 Every one of those writes, and each step's token events, is retried while the broker is
 unreachable (`shared/redis_conn.retrying`; each is idempotent), for up to `broker_retry_s`:
 meanwhile the batch waits, since at most one step's outputs are ahead of their publish.
 
-The admission limits (`shared/quota.py`) are kept here too: a pulled request stops counting
-as queued, a finished one (for any reason) stops counting as in flight and gets back the
-unused part of its token reservation. Those updates never block a step, and a Redis error
-in them is logged: an unsettled slot expires on its own.
+A pulled request stops counting as queued in its tenant's admission (`shared/quota.py`)
+here; that update never blocks a step, and a Redis error in it is logged.
 """
 
 from __future__ import annotations
@@ -30,9 +26,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import keys, quota, usage, usage_jobs
+from shared import keys, quota
+from shared.ending import Ending, end_request
 from shared.journal import Journal
-from shared.protocol import ErrorEvent, FinalEvent, QueuedRequest, TokenEvent, Usage
+from shared.protocol import ErrorCode, ErrorEvent, FinalEvent, QueuedRequest, TokenEvent, Usage
 from shared.redis_conn import BROKER_ERRORS, retrying
 from worker.intake import Intake, StreamEntry
 from worker.sequence import SequenceOutput
@@ -65,12 +62,14 @@ class Publisher:
         journal: Journal,
         worker_id: str,
         retry_s: float = 60.0,
+        usage_queue: str = keys.CONTROL_QUEUE,  # the control process's arq queue
     ) -> None:
         self._redis = redis
         self._intake = intake
         self._journal = journal
         self._worker_id = worker_id
         self._retry_s = retry_s  # how long a write waits for an unreachable broker
+        self._usage_queue = usage_queue
         self.inflight: dict[str, InFlight] = {}
         self.orphans: set[str] = set()  # to abort at the next step
         self._tasks: set[asyncio.Task] = set()  # finishing requests, quota updates
@@ -150,61 +149,32 @@ class Publisher:
         task.add_done_callback(self._tasks.discard)
 
     async def _finish(self, flight: InFlight, output: SequenceOutput) -> None:
-        request_id = flight.entry.request.request_id
-        try:
-            await self._end(flight, output)
-        except BROKER_ERRORS:
-            # The entry stays pending, unrefreshed: once the heartbeat timeout passes, a
-            # worker reclaims it and ends the request, recording its usage.
-            log.exception("request %s not ended here: the broker stayed unreachable", request_id)
-
-    async def _end(self, flight: InFlight, output: SequenceOutput) -> None:
-        """Claim the end, record the usage, settle, append the final event, acknowledge; each
-        step retried while the broker is unreachable (each is idempotent)."""
-        request = flight.entry.request
-        request_id, me = request.request_id, self._worker_id
-
-        async def retried(call, what: str):
-            return await retrying(call, within_s=self._retry_s, what=f"{what} of {request_id}")
-
-        if not await retried(lambda: self._journal.claim_end(request_id, me), "the end"):
-            log.warning("request %s was ended elsewhere", request_id)
-            return
-        assert output.finish_reason is not None  # only finished outputs are ended
-        event = usage.usage_event(
-            request,
-            finish_reason=output.finish_reason,
+        """End the request (`shared/ending.py`), its usage the engine's counts."""
+        entry = flight.entry
+        ending = Ending(
+            self._last_event(output),
             num_output_tokens=output.num_output_tokens,
             num_computed_tokens=output.num_computed_tokens,
-            output_text=await retried(lambda: self._output_text(request, output), "the text"),
         )
         try:
-            # The control process commits the job to the ledger before dropping it.
-            await retried(lambda: usage_jobs.enqueue_usage(self._redis, event), "the usage")
+            is_ended = await end_request(
+                self._redis,
+                self._journal,
+                entry.request,
+                (entry.stream, entry.entry_id),
+                ending,
+                claimer=self._worker_id,
+                retry_s=self._retry_s,
+                usage_queue=self._usage_queue,
+            )
         except BROKER_ERRORS:
-            # Give the end back, so that recovery can record it (see `_finish`).
-            await self._journal.release_end(request_id, me)
-            raise
-        # Before the final event: a client that sends its next request on `[DONE]` must find
-        # the in-flight slot free and the unused tokens back.
-        await self._settle(request, output)
-        if output.error is not None and output.error.code == "model_error":
-            await self._dead_letter(request, output)
-        final = self._final_event(output)
-        keeps_content = bool(request.content_retention_days)  # None or 0: never stored
-        await retried(
-            lambda: self._journal.append_end(request_id, me, final, keeps_content=keeps_content),
-            "the final event",
-        )
-        await retried(lambda: self._intake.ack(flight.entry), "the acknowledgement")
-
-    async def _output_text(self, request: QueuedRequest, output: SequenceOutput) -> str | None:
-        """The whole output, only for a tenant that keeps it: the journal's token events and
-        the final delta."""
-        if request.content_retention_days is None:
-            return None
-        events = await self._journal.read_after(request.request_id, -1)
-        return "".join(e.text for e in events if isinstance(e, TokenEvent)) + output.text
+            # The entry stays pending, unrefreshed: once the heartbeat timeout passes, a
+            # worker reclaims it and acknowledges it (the end is claimed).
+            log.exception("request %s not ended here: the broker stayed unreachable",
+                          entry.request.request_id)  # fmt: skip
+            return
+        if is_ended and output.error is not None and output.error.code is ErrorCode.MODEL_ERROR:
+            await self._dead_letter(entry.request, output)
 
     async def _dead_letter(self, request: QueuedRequest, output: SequenceOutput) -> None:
         fields = dead_letter_fields(request, output)
@@ -225,15 +195,8 @@ class Publisher:
         except (RedisError, OSError):
             log.exception("could not mark %s started in its tenant's queue", request.request_id)
 
-    async def _settle(self, request: QueuedRequest, output: SequenceOutput) -> None:
-        num_used_tokens = output.num_prompt_tokens + output.num_output_tokens
-        try:
-            await quota.settle(self._redis, request, num_used_tokens)
-        except (RedisError, OSError):
-            log.exception("could not settle the admission of %s", request.request_id)
-
     @staticmethod
-    def _final_event(output: SequenceOutput) -> FinalEvent | ErrorEvent:
+    def _last_event(output: SequenceOutput) -> FinalEvent | ErrorEvent:
         # `seq` is set by the journal: the one after the last event appended.
         if output.error is not None:
             return ErrorEvent(seq=0, code=output.error.code, message=output.error.message)

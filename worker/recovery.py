@@ -8,7 +8,7 @@ so an entry stays idle longer than the heartbeat timeout only when its worker ha
   acknowledging the entry): acknowledge it;
 - the request had started (its journal holds events): it cannot be continued elsewhere
   without repeating or losing tokens the client has seen, so it ends with `worker_lost`,
-  its delivered tokens recorded once (`shared/recovery.py`);
+  its delivered tokens recorded once (`shared/ending.py`);
 - it had not started: it is served here, like a new entry.
 
 An entry can also be idle because the broker was away (its worker could not refresh it):
@@ -24,10 +24,15 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from shared import keys, recovery, stream_queue
+from shared.ending import Ending, end_request, failed
 from shared.journal import Journal
+from shared.protocol import ErrorCode
 from worker.intake import Intake, StreamEntry
 
 MAX_RECLAIMED_PER_STREAM = 16
+WORKER_LOST: Ending = failed(
+    ErrorCode.WORKER_LOST, "The worker generating this request stopped; it was not completed."
+)
 
 
 class Reclaimer:
@@ -70,11 +75,12 @@ class Reclaimer:
             if await self._journal.is_done(request_id):
                 await stream_queue.ack(self._redis, entry.stream, entry.entry_id)
             elif await self._journal.last_seq(request_id) >= 0:
-                await recovery.end_lost(
+                await end_request(
                     self._redis,
                     self._journal,
                     entry.request,
                     (entry.stream, entry.entry_id),
+                    WORKER_LOST,
                     claimer=self._worker_id,
                 )
             else:

@@ -1,7 +1,8 @@
 """The continuous-batching scheduler: which tokens of which sequences run in the next step.
 
 Plain Python, no torch, no I/O. The step's output is a `SchedulerOutput`; the model runner
-computes it in one forward pass and returns one sampled token per sampling chunk.
+computes its `batch()` (`worker/step_batch.py`) in one forward pass and returns one sampled
+token per sampling chunk.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from shared.protocol import ErrorCode
 from worker.fair_queue import SortKey, WaitingQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import PreemptionPolicy
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
+from worker.step_batch import ChunkInput, StepBatch
 
 
 @dataclass(slots=True)
@@ -33,11 +36,16 @@ class ScheduledChunk:
         """The chunk reaches the sequence's last token, so its last position yields a new token."""
         return self.end == self.seq.num_tokens
 
+    def input(self) -> ChunkInput:
+        seq = self.seq
+        sampling = seq.sampling if self.is_sampling else None
+        token_ids = seq.token_ids(self.start, self.end)
+        return ChunkInput(seq.request_id, token_ids, self.start, list(seq.block_table), sampling)
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's work. The runner may reorder `decodes` (their order carries no meaning);
-    `postprocess` reads the same lists afterwards."""
+    """One step's work, over the live sequences; `batch()` is what the runner computes."""
 
     decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt chunks, or recompute
@@ -55,6 +63,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.decodes and not self.prefills
+
+    def batch(self) -> StepBatch:
+        """The step as plain data for the runner. Decodes are ordered by context first (their
+        order carries no meaning; `postprocess` reads the same lists), so that decodes of
+        similar length sit together and can share an attention call."""
+        self.decodes.sort(key=lambda chunk: chunk.end)
+        return StepBatch([c.input() for c in self.decodes], [c.input() for c in self.prefills])
 
 
 MIN_PREFILL_CHUNK = 16
@@ -103,7 +118,7 @@ class Scheduler:
         """Queue a sequence; refuse it at once (an error output) if it could never fit."""
         if not self.kv_cache.can_fit_alone(seq.num_max_tokens):
             return seq.refuse(
-                "kv_cache_capacity",
+                ErrorCode.KV_CACHE_CAPACITY,
                 f"the request needs up to {seq.num_max_tokens} tokens of KV cache; this worker "
                 f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence",
             )
@@ -203,7 +218,7 @@ class Scheduler:
             seqs[0].num_failures += 1
             if seqs[0].num_failures >= self.config.max_step_failures:
                 output = seqs[0].refuse(
-                    "model_error",
+                    ErrorCode.MODEL_ERROR,
                     f"the model failed {seqs[0].num_failures} times on this request: {reason}",
                 )
                 self._release(seqs[0])

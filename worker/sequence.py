@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shared.protocol import QueuedRequest, SamplingParams
+from shared.protocol import ErrorCode, FinishReason, QueuedRequest, SamplingParams
 from worker.detokenizer import Decoder, IncrementalDetokenizer
 
 
@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ErrorInfo:
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -28,7 +28,7 @@ class SequenceOutput:
     request_id: str
     text: str
     num_new_tokens: int
-    finish_reason: str | None  # stop, length, cancelled, deadline or error once finished
+    finish_reason: FinishReason | None  # once finished
     num_prompt_tokens: int
     num_output_tokens: int
     num_computed_tokens: int = 0  # all tokens computed, recompute after preemption included
@@ -54,7 +54,7 @@ class Sequence:
     deadline_s: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # Continuous batching: how many of this sequence's tokens are in the KV cache, and where.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -117,31 +117,34 @@ class Sequence:
         """Record a sampled token, decide whether the sequence is done, and say what to send."""
         self.output_token_ids.append(token_id)
         if self._is_stop_token(token_id):
-            return self._finish("stop", self.detokenizer.flush())
+            return self._finish(FinishReason.STOP, self.detokenizer.flush())
         text = self.detokenizer.add_token(token_id)
         if self.detokenizer.is_stopped:
-            return self._finish("stop", text)
+            return self._finish(FinishReason.STOP, text)
         if self.num_output_tokens >= self.sampling.max_tokens:
             text += self.detokenizer.flush()
-            return self._finish("stop" if self.detokenizer.is_stopped else "length", text)
+            reason = FinishReason.STOP if self.detokenizer.is_stopped else FinishReason.LENGTH
+            return self._finish(reason, text)
         return self._output(text, num_new_tokens=1)
 
     def cancel(self) -> SequenceOutput:
-        return self._finish("cancelled", "", num_new_tokens=0)
+        return self._finish(FinishReason.CANCELLED, "", num_new_tokens=0)
 
     def expire(self, now_s: float) -> SequenceOutput | None:
         """End the sequence if a deadline passed: `queue_timeout` (an error) if it never
         started, finish reason `deadline` if it did."""
         is_started = self.num_output_tokens > 0
         if not is_started and self.queue_deadline_s is not None and now_s > self.queue_deadline_s:
-            return self.refuse("queue_timeout", "the request waited past its queue deadline")
+            return self.refuse(
+                ErrorCode.QUEUE_TIMEOUT, "the request waited past its queue deadline"
+            )
         if self.deadline_s is not None and now_s > self.deadline_s:
-            return self._finish("deadline", self.detokenizer.flush(), num_new_tokens=0)
+            return self._finish(FinishReason.DEADLINE, self.detokenizer.flush(), num_new_tokens=0)
         return None
 
-    def refuse(self, code: str, reason: str) -> SequenceOutput:
+    def refuse(self, code: ErrorCode, reason: str) -> SequenceOutput:
         """End a sequence that cannot be served (e.g. it would never fit the KV cache)."""
-        output = self._finish("error", "", num_new_tokens=0)
+        output = self._finish(FinishReason.ERROR, "", num_new_tokens=0)
         output.error = ErrorInfo(code, reason)
         return output
 
@@ -150,7 +153,7 @@ class Sequence:
             return True
         return token_id in self.eos_token_ids and not self.sampling.ignore_eos
 
-    def _finish(self, reason: str, text: str, num_new_tokens: int = 1) -> SequenceOutput:
+    def _finish(self, reason: FinishReason, text: str, num_new_tokens: int = 1) -> SequenceOutput:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         return self._output(text, num_new_tokens)

@@ -1,4 +1,5 @@
-"""The worker process: load the model, then loop pull -> step -> publish until told to stop.
+"""The worker process: load the model, then loop intake -> cancels -> step -> publish until
+told to stop.
 
 The engine step runs on a dedicated thread (torch releases the GIL in its kernels), so Redis
 I/O, cancellations and heartbeats go on in the event loop while the model computes.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -23,20 +23,22 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import keys, model_source, recovery
+from shared import keys, model_source
+from shared.ending import end_request, failed
 from shared.journal import Journal
-from shared.protocol import decode_cancel
+from shared.protocol import ErrorCode, decode_cancel
 from shared.redis_conn import BROKER_ERRORS, async_client, retrying, text
 from shared.settings import Settings
 from shared.tables import ModelDeployment
 from worker import telemetry
 from worker.config import EngineConfig
-from worker.engine import build_engine
+from worker.detokenizer import Decoder
+from worker.engine import Engine, EngineStats, build_engine
 from worker.intake import Intake, StreamEntry
 from worker.pool_service import PoolService
 from worker.publisher import Publisher
 from worker.recovery import Reclaimer
-from worker.sequence import Sequence
+from worker.sequence import Sequence, SequenceOutput
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -61,6 +63,19 @@ def is_fair(config: EngineConfig) -> bool:
     return config.batching == "continuous" and config.queueing == "fair"
 
 
+@dataclass(slots=True)
+class _Serving:
+    """What the worker loop works with once the model is loaded."""
+
+    engine: Engine
+    telemetry: telemetry.Telemetry
+    intake: Intake
+    publisher: Publisher
+    pool: PoolService | None
+    tokenizer: Decoder
+    eos_token_ids: frozenset[int]
+
+
 class Worker:
     def __init__(
         self, settings: Settings, deployment: ModelDeployment, config: WorkerConfig
@@ -73,7 +88,7 @@ class Worker:
         self._stopping = asyncio.Event()
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._engine: telemetry.ObservedEngine | None = None
+        self._stats: EngineStats | None = None  # as of the last step, for the heartbeat
         self._heartbeat_timeout_s = settings.worker_heartbeat_timeout_s
         self._recovery: tuple[Publisher, Reclaimer] | None = None
         self._reclaimed: list[StreamEntry] = []
@@ -97,8 +112,8 @@ class Worker:
         try:
             self._state = "loading"
             engine, tokenizer, eos_token_ids = await self._on_engine_thread(self._load)
-            engine = telemetry.observe(engine, self._deployment.model_id, self._config.engine)
-            self._engine = engine
+            self._stats = engine.stats()
+            observed = telemetry.Telemetry(self._deployment.model_id, self._stats.max_num_seqs)
             intake = Intake(
                 redis,
                 self._deployment.model_id,
@@ -122,18 +137,21 @@ class Worker:
                 ),
             )
             self._recovery = (publisher, reclaimer)
+            serving = _Serving(
+                engine, observed, intake, publisher, self._pool_service(redis), tokenizer,
+                eos_token_ids,
+            )  # fmt: skip
             cancels = asyncio.create_task(self._listen_for_cancels(redis))
             exporter = asyncio.create_task(
                 telemetry.export(
-                    engine, redis, self._config.metrics_port, self._config.metrics_host
+                    observed, redis, self._config.metrics_port, self._config.metrics_host
                 )
             )
             self._state = "ready"
             log.info("worker %s ready for %s", self.worker_id, self._deployment.model_id)
             try:
-                pool = self._pool_service(redis)
-                await self._loop(engine, intake, publisher, pool, tokenizer, eos_token_ids)
-                await self._end_unfinished(redis, journal, publisher, engine)
+                await self._loop(serving)
+                await self._end_unfinished(redis, journal, serving)
             finally:
                 cancels.cancel()
                 exporter.cancel()
@@ -158,59 +176,82 @@ class Worker:
         tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
         return build_engine(loaded, self._config.engine), tokenizer, loaded.eos_token_ids
 
-    async def _loop(self, engine, intake, publisher, pool, tokenizer, eos_token_ids) -> None:
-        idle_ms = self._settings.worker_idle_poll_ms
+    async def _loop(self, serving: _Serving) -> None:
+        """Until stopped and drained: take new entries, end what was cancelled or expired,
+        step, publish. A step's outputs are published while the next step computes
+        (publishes keep their call order: `Publisher.publish`); at most one step's is
+        behind."""
+        engine, publisher = serving.engine, serving.publisher
         drain_deadline_s = math.inf
-        # A step's outputs are published while the next step computes (publishes keep their
-        # call order: `Publisher.publish`); at most one step's is behind.
         publishing: asyncio.Task | None = None
         while engine.has_work() or not self._stopping.is_set():
             if self._stopping.is_set() and drain_deadline_s == math.inf:
                 drain_deadline_s = time.monotonic() + self._settings.worker_drain_timeout_s
-                await self._hand_back(engine, intake, publisher)
+                await self._hand_back(serving)
             if time.monotonic() > drain_deadline_s:
                 break  # `_end_unfinished` ends what is left
-            entries, self._reclaimed = self._reclaimed, []
-            if not self._stopping.is_set():
-                block_ms = None if engine.has_work() or entries else idle_ms
-                entries += await self._pull(intake, block_ms, engine)
-            for entry in entries:
-                if (flight := publisher.inflight.get(entry.request.request_id)) is not None:
-                    if flight.entry.entry_id != entry.entry_id:
-                        # A second entry for a request served here.
-                        await retrying(
-                            functools.partial(intake.ack, entry),
-                            within_s=self._settings.broker_retry_s,
-                            what="a second entry's acknowledgement",
-                        )
-                    continue  # the very entry being served: never acknowledge that one
-                publisher.track(entry)
-                seq = Sequence.from_request(entry.request, tokenizer, eos_token_ids)
-                if (refused := engine.add(seq)) is not None:
-                    await publisher.publish([refused])
-            aborted = self._take_cancels(publisher) | publisher.take_orphans()
-            # Usually nothing: no publish (a task) for an empty list on every step.
-            if ended := engine.abort(aborted) + engine.expire(time.time()):
-                await publisher.publish(ended)
+            await self._take_new(serving)
+            await self._end_cancelled(serving)
+            self._stats = engine.stats()
             if engine.has_work():
-                outputs = await self._step(engine, pool)
+                outputs = await self._step(serving)
                 if publishing is not None:
                     await publishing
                 publishing = publisher.publish(outputs)
-            elif pool is not None and (updates := engine.take_service_updates()):
-                await pool.sync(updates)  # the last step's service, once idle
+            elif serving.pool is not None and (updates := engine.take_service_updates()):
+                await serving.pool.sync(updates)  # the last step's service, once idle
         if publishing is not None:
             await publishing
 
-    async def _step(self, engine, pool: PoolService | None):
+    async def _take_new(self, serving: _Serving) -> None:
+        """Intake: the entries reclaimed from dead workers and what the streams give (waiting
+        for some while idle), into the engine; a refusal is published at once."""
+        engine, publisher, intake = serving.engine, serving.publisher, serving.intake
+        entries, self._reclaimed = self._reclaimed, []
+        if not self._stopping.is_set():
+            idle_ms = self._settings.worker_idle_poll_ms
+            block_ms = None if engine.has_work() or entries else idle_ms
+            entries += await self._pull(intake, block_ms, engine)
+        for entry in entries:
+            if (flight := publisher.inflight.get(entry.request.request_id)) is not None:
+                if flight.entry.entry_id != entry.entry_id:
+                    # A second entry for a request served here.
+                    await retrying(
+                        functools.partial(intake.ack, entry),
+                        within_s=self._settings.broker_retry_s,
+                        what="a second entry's acknowledgement",
+                    )
+                continue  # the very entry being served: never acknowledge that one
+            publisher.track(entry)
+            seq = Sequence.from_request(entry.request, serving.tokenizer, serving.eos_token_ids)
+            refused = engine.add(seq)
+            serving.telemetry.added(seq, refused)
+            if refused is not None:
+                await publisher.publish([refused])
+
+    async def _end_cancelled(self, serving: _Serving) -> None:
+        """Cancels: what clients cancelled, what was orphaned here (served or ended
+        elsewhere) and what passed its deadline. Usually nothing: no publish (a task) for
+        an empty list on every step."""
+        engine, publisher = serving.engine, serving.publisher
+        aborted = self._take_cancels(publisher) | publisher.take_orphans()
+        if ended := engine.abort(aborted) + engine.expire(time.time()):
+            serving.telemetry.ended(ended)
+            await publisher.publish(ended)
+
+    async def _step(self, serving: _Serving) -> list[SequenceOutput]:
         """One engine step; the pool's counters are synced while it computes (what the
         step computes goes with the next sync) and applied once it is done."""
+        engine, pool = serving.engine, serving.pool
         sync = asyncio.create_task(pool.sync(engine.take_service_updates())) if pool else None
-        outputs = await self._on_engine_thread(engine.step)
+        report = await self._on_engine_thread(functools.partial(telemetry.timed_step, engine))
+        serving.telemetry.stepped(report)
+        self._stats = report.stats
         if pool is not None and sync is not None and (counters := await sync) is not None:
             engine.apply_pool_service(counters)
-            engine.metrics.pool_sync_s.labels(self._deployment.model_id).observe(pool.last_sync_s)
-        return outputs
+            pool_sync_s = serving.telemetry.metrics.pool_sync_s
+            pool_sync_s.labels(self._deployment.model_id).observe(pool.last_sync_s)
+        return report.outputs
 
     async def _pull(self, intake: Intake, block_ms: int | None, engine):
         """New entries; none this turn while the broker is unreachable. (A pull whose reply
@@ -224,29 +265,34 @@ class Worker:
                 await asyncio.sleep(self._settings.worker_idle_poll_ms / 1000)
             return []
 
-    async def _hand_back(self, engine, intake: Intake, publisher: Publisher) -> None:
+    async def _hand_back(self, serving: _Serving) -> None:
         """Give the requests that have not started to the other workers, at once."""
-        request_ids = engine.unstarted_request_ids()
-        entries = publisher.forget(request_ids)
-        engine.hand_back(set(request_ids))
-        await intake.hand_back(entries)
+        request_ids = serving.engine.unstarted_request_ids()
+        entries = serving.publisher.forget(request_ids)
+        serving.engine.abort(set(request_ids))  # their ends are the other workers' to count
+        serving.telemetry.handed_back(set(request_ids))
+        await serving.intake.hand_back(entries)
         if entries:
             log.info("handed %d waiting requests back to the queue", len(entries))
 
-    async def _end_unfinished(self, redis, journal: Journal, publisher: Publisher, engine) -> None:
+    async def _end_unfinished(self, redis, journal: Journal, serving: _Serving) -> None:
         """After the drain timeout: end what still runs (`worker_shutdown`), usage recorded."""
+        publisher, engine = serving.publisher, serving.engine
         request_ids = list(publisher.inflight)
+        shutdown = failed(
+            ErrorCode.WORKER_SHUTDOWN,
+            "The worker serving this request shut down before it finished.",
+        )
         for entry in publisher.forget(request_ids):
-            await recovery.end_lost(
+            await end_request(
                 redis,
                 journal,
                 entry.request,
                 (entry.stream, entry.entry_id),
+                shutdown,
                 claimer=self.worker_id,
-                code="worker_shutdown",
-                message="The worker serving this request shut down before it finished.",
             )
-        engine.abort(set(request_ids))
+        serving.telemetry.ended(engine.abort(set(request_ids)))
 
     def _take_cancels(self, publisher: Publisher) -> set[str]:
         # Scan what is in flight (at most a batch), not the remembered cancels (up to 10k).
@@ -302,13 +348,12 @@ class Worker:
             "pid": os.getpid(),
             "batching": self._config.engine.batching,
             "updated_at": time.time(),
-            **(self._engine.stats() if self._engine is not None else {}),
+            **(self._stats.heartbeat_fields() if self._stats is not None else {}),
         }
-        fields = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in fields.items()}
         async with redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, max(1, math.ceil(self._heartbeat_timeout_s)))
-            capacity = getattr(self._engine, "max_num_tokens_per_sequence", None)
+            capacity = self._stats.max_num_tokens_per_sequence if self._stats else None
             if capacity is not None:
                 pipe.zadd(keys.model_capacity(model), {self.worker_id: capacity})
             await pipe.execute()

@@ -1,27 +1,25 @@
 """Worker telemetry: what passes through the engine, as Prometheus metrics and latency samples.
 
-`ObservedEngine` wraps any `Engine` and watches its seams only: a sequence added (its
-arrival time and tier), each step (wall time, the outputs it produced, the stats after it)
-and every output of `abort`. From those it derives, per request: queue time (arrival to the
-first step that ran it), TTFT (arrival to its first token), inter-token latency and
-end-to-end latency; per step: the batch size, KV usage, running and waiting sequences,
-preemptions. Arrival is the API's admission time (`QueuedRequest.arrival_ts`), so TTFT
-includes the Redis queue, as a client sees it; across machines it assumes synced clocks.
+The worker loop tells `Telemetry` what happens at the engine's seams: a sequence added (its
+arrival time and tier) or refused, each step (`timed_step`: its wall time, its outputs, the
+stats after it), and the outputs of cancels and deadlines. From those it derives, per
+request: queue time (arrival to the first step that ran it), TTFT (arrival to its first
+token), inter-token latency and end-to-end latency; per step: the batch size, KV usage,
+running and waiting sequences, preemptions. Arrival is the API's admission time
+(`QueuedRequest.arrival_ts`), so TTFT includes the Redis queue, as a client sees it; across
+machines it assumes synced clocks. Every call comes from the event loop, between steps.
 
 `export` serves the metrics on the worker's `--metrics-port` and pushes TTFT and ITL samples
 to the model's latency window in Redis (`shared/latency_window.py`) once a second.
-
-Steps run on the engine thread and `add`/`abort` on the event loop, so request state sits
-behind one lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,16 +30,16 @@ from redis.exceptions import RedisError
 from shared import latency_window
 from shared.latency_window import Sample
 from shared.metrics import WorkerMetrics
+from shared.protocol import FinishReason
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 
 if TYPE_CHECKING:  # worker.engine imports the model runner, so torch
-    from worker.config import EngineConfig
-    from worker.engine import Engine
+    from worker.engine import Engine, EngineStats
 
 log = logging.getLogger("llmfleet.worker")
 
 EXPORT_INTERVAL_S = 1.0
-FINISHED_OK = ("stop", "length")
+FINISHED_OK = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 @dataclass(slots=True)
@@ -57,115 +55,93 @@ class _PendingSamples:
     itl: list[Sample] = field(default_factory=list)
 
 
-def max_num_seqs_of(config: EngineConfig) -> int:
-    """Places in the batch of an engine built from `config`."""
-    if config.batching == "one":
-        return 1
-    return config.max_num_seqs if config.batching == "continuous" else config.max_batch_size
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One engine step as the engine thread saw it (`timed_step`)."""
+
+    outputs: list[SequenceOutput]
+    started_s: float  # wall clock, comparable with arrival times
+    duration_s: float
+    stats: EngineStats
 
 
-def observe(engine: Engine, model: str, config: EngineConfig) -> ObservedEngine:
-    return ObservedEngine(engine, model, max_num_seqs_of(config))
+def timed_step(engine: Engine, clock: Callable[[], float] = time.time) -> StepReport:
+    """Run one step and time it, on the thread that runs the engine."""
+    started_s, started = clock(), time.perf_counter()
+    outputs = engine.step()
+    return StepReport(outputs, started_s, time.perf_counter() - started, engine.stats())
 
 
-class ObservedEngine:
-    """An `Engine` that reports what goes through it; everything else is delegated."""
+class Telemetry:
+    """Metrics and latency samples of one worker's engine, fed by the worker loop."""
 
-    def __init__(self, engine: Engine, model: str, max_num_seqs: int, clock=time.time) -> None:
-        self._engine = engine
+    def __init__(self, model: str, max_num_seqs: int, clock: Callable[[], float] = time.time):
         self.model = model
         self._max_num_seqs = max_num_seqs
         self._clock = clock
         self.metrics = WorkerMetrics()
         self.metrics.max_num_seqs.labels(model).set(max_num_seqs)
-        self._lock = threading.Lock()
         self._timings: dict[str, _Timing] = {}
         self._samples = _PendingSamples()
         self._num_preemptions_seen: Counter[str] = Counter()
 
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def add(self, seq: Sequence) -> SequenceOutput | None:
-        refused = self._engine.add(seq)
+    def added(self, seq: Sequence, refused: SequenceOutput | None) -> None:
+        """`seq` was given to the engine, which took it, or refused it at once."""
         if refused is None:
-            with self._lock:
-                self._timings[seq.request_id] = _Timing(seq)
+            self._timings[seq.request_id] = _Timing(seq)
         else:
             self._count_end(str(seq.tier), refused)
-        return refused
 
-    def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
-        outputs = self._engine.abort(request_ids)
+    def ended(self, outputs: list[SequenceOutput]) -> None:
+        """Outputs from outside a step: cancels and expired deadlines."""
         self._observe_outputs(outputs, self._clock())
-        return outputs
 
-    def hand_back(self, request_ids: set[str]) -> None:
-        """Drop requests given back to the queue for another worker: they did not end here,
-        so they are not counted as ended (that worker counts them)."""
-        self._engine.abort(request_ids)
-        with self._lock:
-            for request_id in request_ids:
-                self._timings.pop(request_id, None)
+    def handed_back(self, request_ids: set[str]) -> None:
+        """Requests given back to the queue for another worker: they did not end here, so
+        they are not counted as ended (that worker counts them)."""
+        for request_id in request_ids:
+            self._timings.pop(request_id, None)
 
-    def step(self) -> list[SequenceOutput]:
-        started_s = self._clock()
-        started = time.perf_counter()
-        outputs = self._engine.step()
-        duration_s = time.perf_counter() - started
-        stats = self._engine.stats()
-        self._observe_step(outputs, started_s, duration_s, stats)
-        return outputs
-
-    def stats(self) -> dict[str, float | dict[str, int]]:
-        """The engine's stats and the batch's size, as the heartbeat carries them."""
-        return {**self._engine.stats(), "max_num_seqs": self._max_num_seqs}
+    def stepped(self, report: StepReport) -> None:
+        m, model, stats = self.metrics, self.model, report.stats
+        m.engine_step_duration_s.labels(model).observe(report.duration_s)
+        num_finished = sum(o.is_finished for o in report.outputs)
+        # Capped: the static engine keeps finished rows in its batch until the batch ends.
+        batch_size = min(stats.num_running + num_finished, self._max_num_seqs)
+        m.batch_size.labels(model).observe(batch_size)
+        m.num_requests_running.labels(model).set(stats.num_running)
+        m.num_requests_waiting.labels(model).set(stats.num_waiting)
+        if stats.kv_cache_usage is not None:
+            m.kv_cache_usage.labels(model).set(stats.kv_cache_usage)
+        self._count_preemptions(stats.num_preemptions_by_tenant)
+        self._mark_started(report.started_s)
+        self._observe_outputs(report.outputs, report.started_s + report.duration_s)
 
     def take_samples(self) -> tuple[list[Sample], list[Sample]]:
         """TTFT and ITL samples since the last call."""
-        with self._lock:
-            samples, self._samples = self._samples, _PendingSamples()
+        samples, self._samples = self._samples, _PendingSamples()
         return samples.ttft, samples.itl
-
-    def _observe_step(
-        self, outputs: list[SequenceOutput], started_s: float, duration_s: float, stats: dict
-    ) -> None:
-        m, model = self.metrics, self.model
-        m.engine_step_duration_s.labels(model).observe(duration_s)
-        num_running = int(stats.get("num_running", 0))
-        num_finished = sum(o.is_finished for o in outputs)
-        # Capped: the static engine keeps finished rows in its batch until the batch ends.
-        m.batch_size.labels(model).observe(min(num_running + num_finished, self._max_num_seqs))
-        m.num_requests_running.labels(model).set(num_running)
-        m.num_requests_waiting.labels(model).set(stats.get("num_waiting", 0))
-        if "kv_cache_usage" in stats:
-            m.kv_cache_usage.labels(model).set(stats["kv_cache_usage"])
-        self._count_preemptions(stats.get("num_preemptions_by_tenant", {}))
-        self._mark_started(started_s)
-        self._observe_outputs(outputs, started_s + duration_s)
 
     def _mark_started(self, step_started_s: float) -> None:
         """Queue time of the sequences this step ran for the first time."""
-        with self._lock:
-            for timing in self._timings.values():
-                if timing.started_s is None and timing.seq.status is not SequenceStatus.WAITING:
-                    timing.started_s = step_started_s
-                    tier = str(timing.seq.tier)
-                    self.metrics.request_queue_time_s.labels(self.model, tier).observe(
-                        max(0.0, step_started_s - timing.seq.arrival_s)
-                    )
+        for timing in self._timings.values():
+            if timing.started_s is None and timing.seq.status is not SequenceStatus.WAITING:
+                timing.started_s = step_started_s
+                tier = str(timing.seq.tier)
+                self.metrics.request_queue_time_s.labels(self.model, tier).observe(
+                    max(0.0, step_started_s - timing.seq.arrival_s)
+                )
 
     def _observe_outputs(self, outputs: list[SequenceOutput], now_s: float) -> None:
-        with self._lock:
-            for output in outputs:
-                timing = self._timings.get(output.request_id)
-                if timing is None:
-                    continue
-                if output.num_new_tokens:
-                    self._observe_token(timing, output, now_s)
-                if output.is_finished:
-                    del self._timings[output.request_id]
-                    self._observe_end(timing, output, now_s)
+        for output in outputs:
+            timing = self._timings.get(output.request_id)
+            if timing is None:
+                continue
+            if output.num_new_tokens:
+                self._observe_token(timing, output, now_s)
+            if output.is_finished:
+                del self._timings[output.request_id]
+                self._observe_end(timing, output, now_s)
 
     def _observe_token(self, timing: _Timing, output: SequenceOutput, now_s: float) -> None:
         m, model, tier = self.metrics, self.model, str(timing.seq.tier)
@@ -216,7 +192,7 @@ class ObservedEngine:
 
 
 async def export(
-    engine: ObservedEngine,
+    telemetry: Telemetry,
     redis: aioredis.Redis,
     metrics_port: int,
     metrics_host: str,
@@ -228,7 +204,7 @@ async def export(
     if metrics_port:
         try:
             server, _thread = start_http_server(
-                metrics_port, metrics_host, registry=engine.metrics.registry
+                metrics_port, metrics_host, registry=telemetry.metrics.registry
             )
             log.info("worker metrics on http://%s:%d/metrics", metrics_host, metrics_port)
         except OSError as exc:
@@ -236,18 +212,18 @@ async def export(
     try:
         while True:
             await asyncio.sleep(interval_s)
-            await push_samples(engine, redis)
+            await push_samples(telemetry, redis)
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
 
 
-async def push_samples(engine: ObservedEngine, redis: aioredis.Redis) -> None:
-    ttft, itl = engine.take_samples()
+async def push_samples(telemetry: Telemetry, redis: aioredis.Redis) -> None:
+    ttft, itl = telemetry.take_samples()
     try:
-        await latency_window.push(redis, engine.model, "ttft", ttft)
-        await latency_window.push(redis, engine.model, "itl", itl)
+        await latency_window.push(redis, telemetry.model, "ttft", ttft)
+        await latency_window.push(redis, telemetry.model, "itl", itl)
     except (RedisError, OSError) as exc:
         # The broker may be restarting; these samples are lost, the histograms keep them.
         log.warning("could not push latency samples: %s", exc)

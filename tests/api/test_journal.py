@@ -47,7 +47,9 @@ async def test_one_end_and_nothing_after_it(journal):
     assert await journal.claim_end(rid, "worker-1")
     assert not await journal.claim_end(rid, "api-7")  # the second to notice does nothing
     assert not await journal.append(rid, _token(1))  # the end is claimed: no more tokens
-    assert not await journal.append_end(rid, "api-7", ErrorEvent(seq=0, code="c", message="m"))
+    assert not await journal.append_end(
+        rid, "api-7", ErrorEvent(seq=0, code="worker_lost", message="m")
+    )
     assert await journal.append_end(rid, "worker-1", _final())
     events = await journal.read_after(rid, -1)
     assert [(e.type, e.seq) for e in events] == [("token", 0), ("final", 1)]

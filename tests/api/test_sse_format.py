@@ -36,12 +36,17 @@ async def _collect(events, fmt) -> tuple[list, FakeSubscription]:
 async def test_error_event_then_done():
     events = [
         TokenEvent(seq=0, text="Hi", num_tokens=1),
-        ErrorEvent(seq=1, code="boom", message="it broke"),
+        ErrorEvent(seq=1, code="model_error", message="it broke"),
     ]
     out, sub = await _collect(events, _fmt(is_chat=False))
     assert out[0]["choices"][0]["text"] == "Hi"
     assert out[1] == {
-        "error": {"message": "it broke", "type": "server_error", "param": None, "code": "boom"}
+        "error": {
+            "message": "it broke",
+            "type": "server_error",
+            "param": None,
+            "code": "model_error",
+        }
     }
     assert out[2] == "[DONE]" and len(out) == 3
     assert sub.is_closed

@@ -10,16 +10,18 @@ this is the worker's own line, for whatever reaches its stream.
 
 from __future__ import annotations
 
+from shared.protocol import ErrorCode, SamplingParams
 from worker.runner import sampler
-from worker.sequence import ErrorInfo, Sequence
 
 
-def refusal(seq: Sequence, vocab_size: int) -> ErrorInfo | None:
-    """Why `seq` cannot run on a model of `vocab_size` tokens, or None."""
-    if (problem := sampler.check(seq.sampling)) is not None:
-        return ErrorInfo("invalid_sampling_params", problem)
-    if any(not 0 <= token_id < vocab_size for token_id in seq.prompt_token_ids):
-        return ErrorInfo(
-            "invalid_prompt", f"a prompt token id is outside the vocabulary (0..{vocab_size - 1})"
-        )
+def refusal(
+    prompt_token_ids: list[int], sampling: SamplingParams, vocab_size: int
+) -> tuple[ErrorCode, str] | None:
+    """Why a request cannot run on a model of `vocab_size` tokens (its error code and
+    message), or None."""
+    if (problem := sampler.check(sampling)) is not None:
+        return ErrorCode.INVALID_SAMPLING_PARAMS, problem
+    if any(not 0 <= token_id < vocab_size for token_id in prompt_token_ids):
+        outside = f"a prompt token id is outside the vocabulary (0..{vocab_size - 1})"
+        return ErrorCode.INVALID_PROMPT, outside
     return None

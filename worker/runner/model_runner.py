@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.protocol import SamplingParams
 from worker.runner import sampler
 from worker.runner.loader import LoadedModel
 from worker.runner.paged_attention import (
@@ -20,7 +21,7 @@ from worker.runner.paged_attention import (
     StepMetadata,
     pool_rows,
 )
-from worker.scheduler import ScheduledChunk, SchedulerOutput
+from worker.step_batch import ChunkInput, StepBatch
 
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
@@ -110,17 +111,15 @@ class ModelRunner:
         return self._loaded.vocab_size
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int | sampler.SamplingFailure]:
-        """Run the step; one sampled token per sampling chunk, in `out.chunks` order, or that
-        chunk's `SamplingFailure` (the forward pass is shared, sampling fails per sequence)."""
-        # Decodes of similar length sit together so they can share one attention call; their
-        # order within the step is free (postprocess follows `out.chunks`, this same list).
-        out.decodes.sort(key=lambda chunk: chunk.end)
-        chunks = out.chunks
+    def execute(self, batch: StepBatch) -> list[int | sampler.SamplingFailure]:
+        """Run the step; one sampled token per sampling chunk, in `batch.chunks` order, or
+        that chunk's `SamplingFailure` (the forward pass is shared, sampling fails per
+        sequence)."""
+        chunks = batch.chunks
         input_ids, positions, slot_mapping, keep = self._pack(chunks)
         if self.fault_token_id is not None and bool((input_ids == self.fault_token_id).any()):
             raise RuntimeError("injected fault: the step's input holds the fault token")
-        step = self._metadata(out, slot_mapping)
+        step = self._metadata(batch, slot_mapping)
         result = self._model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -129,33 +128,31 @@ class ModelRunner:
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self._device),
             **{STEP_KWARG: step},
         )
-        sampling = [c for c in chunks if c.is_sampling]
-        params = [c.seq.sampling for c in sampling]
-        generators = [self._generator(c) for c in sampling]
+        params = [c.sampling for c in chunks if c.sampling is not None]
+        generators = [self._generator(c.request_id, c.sampling) for c in chunks if c.sampling]
         return sampler.sample(result.logits[0], params, generators)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, chunk: ScheduledChunk) -> torch.Generator | None:
-        seq = chunk.seq
-        if seq.request_id not in self._generators:
-            self._generators[seq.request_id] = sampler.make_generator(seq.sampling, self._device)
-        return self._generators[seq.request_id]
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if request_id not in self._generators:
+            self._generators[request_id] = sampler.make_generator(params, self._device)
+        return self._generators[request_id]
 
-    def _pack(self, chunks: list[ScheduledChunk]):
+    def _pack(self, chunks: list[ChunkInput]):
         token_ids: list[int] = []
         positions: list[int] = []
         keep: list[int] = []
         for chunk in chunks:
-            token_ids += chunk.seq.token_ids(chunk.start, chunk.end)
+            token_ids += chunk.token_ids
             positions += range(chunk.start, chunk.end)
             if chunk.is_sampling:
                 keep.append(len(token_ids) - 1)
-        # Flat pool slot of each new token: block_table[position // block_size] plus offset.
+        # Flat pool slot of each new token: block_ids[position // block_size] plus offset.
         size = self.block_size
         slots = [
-            chunk.seq.block_table[p // size] * size + p % size
+            chunk.block_ids[p // size] * size + p % size
             for chunk in chunks
             for p in range(chunk.start, chunk.end)
         ]
@@ -167,29 +164,29 @@ class ModelRunner:
             keep,
         )
 
-    def _metadata(self, out: SchedulerOutput, slot_mapping: torch.Tensor) -> StepMetadata:
+    def _metadata(self, batch: StepBatch, slot_mapping: torch.Tensor) -> StepMetadata:
         prefills = []
-        query_start = len(out.decodes)
-        for chunk in out.prefills:
-            query_end = query_start + chunk.num_new_tokens
+        query_start = len(batch.decodes)
+        for chunk in batch.prefills:
+            query_end = query_start + len(chunk.token_ids)
             num_blocks = -(-chunk.end // self.block_size)
-            block_ids = torch.tensor(chunk.seq.block_table[:num_blocks], device=self._device)
+            block_ids = torch.tensor(chunk.block_ids[:num_blocks], device=self._device)
             rows = self._pool_rows(block_ids)
             mask = self._chunk_mask(chunk)
             prefills.append(PrefillSpan(query_start, query_end, rows, chunk.end, mask))
             query_start = query_end
-        return StepMetadata(slot_mapping, self._decode_groups(out.decodes), prefills)
+        return StepMetadata(slot_mapping, self._decode_groups(batch.decodes), prefills)
 
-    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
-        """Decodes (sorted by context, see `execute`) in groups that share one attention
-        call each (`decode_group_bounds`)."""
+    def _decode_groups(self, decodes: list[ChunkInput]) -> list[DecodeGroup]:
+        """Decodes (by ascending context, as the batch has them) in groups that share one
+        attention call each (`decode_group_bounds`)."""
         bounds = decode_group_bounds([c.end for c in decodes], self.block_size)
         return [self._decode_group(decodes[start:end], start) for start, end in bounds]
 
-    def _decode_group(self, decodes: list[ScheduledChunk], query_start: int) -> DecodeGroup:
-        max_blocks = max(len(c.seq.block_table) for c in decodes)
+    def _decode_group(self, decodes: list[ChunkInput], query_start: int) -> DecodeGroup:
+        max_blocks = max(len(c.block_ids) for c in decodes)
         # Pad block tables with block 0: those keys are masked out.
-        tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in decodes]
+        tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in decodes]
         block_ids = torch.tensor(tables, device=self._device).flatten()
         lengths = torch.tensor([c.end for c in decodes], device=self._device)
         positions = torch.arange(max_blocks * self.block_size, device=self._device)
@@ -204,7 +201,7 @@ class ModelRunner:
         num_kv_heads, num_blocks = self._k_pool.shape[1:3]
         return pool_rows(block_ids, num_kv_heads, num_blocks)
 
-    def _chunk_mask(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+    def _chunk_mask(self, chunk: ChunkInput) -> torch.Tensor | None:
         if chunk.start == 0:
             return None  # a whole causal block: SDPA's is_causal is exact here
         query_positions = torch.arange(chunk.start, chunk.end, device=self._device)
