@@ -1,0 +1,59 @@
+"""The API's metrics: the exposition of rejections and fleet gauges, and the scrape token."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
+
+from api.errors import APIError
+from api.metrics import _check_token
+from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
+from shared.latency_window import LatencySummary
+from shared.metrics import ApiMetrics
+
+
+def test_api_exposition_has_rejections_and_fleet_gauges():
+    metrics = ApiMetrics()
+    metrics.count_rejection(429, "requests_in_flight_exceeded", "rate_limit_error")
+    metrics.count_rejection(400, None, "invalid_request_error")
+    metrics.count_rejection(500, None, "server_error")  # not a rejection
+    worker = WorkerState("w1", "m", "ready", heartbeat_age_s=0.5, num_running=2, max_num_seqs=8)
+    snap = ModelSnapshot(
+        "m",
+        [QueueState("ten_1", num_entries=5, num_pending=2, num_consumers=1)],
+        [worker],
+        LatencySummary(0, None, None),
+        LatencySummary(0, None, None),
+    )
+    text = metrics.exposition(FleetSnapshot(0.0, {"m": snap}, {"ten_1": "acme"})).decode()
+    assert "acme" not in text  # tenants by id only, never by name
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    rejections = "llmfleet_request_rejections_total"
+    assert samples[(rejections, (("reason", "requests_in_flight_exceeded"),))] == 1
+    assert samples[(rejections, (("reason", "invalid_request_error"),))] == 1
+    assert (rejections, (("reason", "server_error"),)) not in samples
+    tenant = (("model", "m"), ("tenant", "ten_1"))
+    assert samples[("llmfleet_queue_depth", tenant)] == 5
+    assert samples[("llmfleet_queue_pending", tenant)] == 2
+    assert samples[("llmfleet_workers", (("model", "m"), ("state", "ready")))] == 1
+    assert samples[("llmfleet_worker_heartbeat_age_seconds", (("model", "m"),))] == 0.5
+    assert snap.batch_occupancy == 0.25
+
+
+def _request_with(authorization: str | None) -> Request:
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    return Request({"type": "http", "method": "GET", "path": "/metrics", "headers": headers})
+
+
+def test_metrics_token_is_checked():
+    token = "metrics-token-0123456789"
+    _check_token(_request_with(f"Bearer {token}"), token)
+    for presented in [None, f"Bearer {token}x", token, "Bearer "]:
+        with pytest.raises(APIError) as refused:
+            _check_token(_request_with(presented), token)
+        assert refused.value.status_code == 401

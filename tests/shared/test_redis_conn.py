@@ -1,0 +1,41 @@
+"""Calls to the broker retried while it is unreachable (shared/redis_conn.retrying)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from shared import redis_conn
+
+
+async def test_a_call_is_retried_while_the_broker_is_unreachable_then_given_up(monkeypatch):
+    monkeypatch.setattr(redis_conn, "MAX_RETRY_DELAY_S", 0.05)
+    attempts = []
+
+    async def flaky():
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise redis.ConnectionError("Connection reset by peer")
+        return "through"
+
+    assert await redis_conn.retrying(flaky, within_s=5, what="test") == "through"
+    assert len(attempts) == 3
+
+    async def unreachable():
+        raise ConnectionResetError("Connection lost")
+
+    started_s = time.monotonic()
+    with pytest.raises(ConnectionResetError):
+        await redis_conn.retrying(unreachable, within_s=0.3, what="test")
+    assert 0.2 < time.monotonic() - started_s < 1.0
+
+    async def refused():
+        attempts.append(time.monotonic())
+        raise redis.ResponseError("WRONGTYPE")  # an answer, not an outage: never retried
+
+    attempts.clear()
+    with pytest.raises(redis.ResponseError):
+        await redis_conn.retrying(refused, within_s=5, what="test")
+    assert len(attempts) == 1
