@@ -18,8 +18,8 @@ import typer
 from bench import report
 from cli.redis_server import EmbeddedRedis, free_port
 from shared.redis_conn import async_client
-from worker.fair_queue import ServiceUpdates
 from worker.pool_service import PoolService
+from worker.tenant_counters import ServiceUpdates
 
 NUM_SYNCS = 2000
 

@@ -30,10 +30,10 @@ from bench.engine_direct import record_output, sequence_of
 from bench.simulate import VirtualClock
 from bench.workload import RequestSpec, TenantSpec
 from worker.engine import Engine
-from worker.fair_queue import ServiceUpdates
 from worker.intake import plan_pull
 from worker.pool_service import merge_service
 from worker.sequence import Sequence, SequenceOutput
+from worker.tenant_counters import ServiceUpdates
 
 MIN_STEP_S = 1e-4  # a step that computed nothing still moves its worker's clock
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from shared.protocol import ErrorCode
 from worker.config import EngineConfig
-from worker.fair_queue import FairQueue, FifoQueue, ServiceUpdates
+from worker.fair_queue import FairQueue, FifoQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.runner import guard, model_runner
@@ -30,6 +30,7 @@ from worker.runner.sampler import SamplingFailure
 from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 from worker.step_batch import StepBatch
+from worker.tenant_counters import ServiceUpdates
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -267,10 +268,10 @@ class ContinuousBatchingEngine:
         return self.scheduler.starting_soon(tenant_ids)
 
     def take_service_updates(self) -> ServiceUpdates:
-        return self.scheduler.waiting.take_service_updates()
+        return self.scheduler.waiting.counters.take_updates()
 
     def apply_pool_service(self, counters: Mapping[str, float]) -> None:
-        self.scheduler.waiting.apply_pool_service(counters)
+        self.scheduler.waiting.counters.apply_pool(counters)
 
     def unstarted_request_ids(self) -> list[str]:
         return [seq.request_id for seq in self.scheduler.waiting if not seq.num_output_tokens]

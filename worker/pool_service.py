@@ -30,7 +30,7 @@ from redis.typing import EncodableT
 
 from shared import keys
 from shared.redis_conn import BROKER_ERRORS, text
-from worker.fair_queue import ServiceUpdates
+from worker.tenant_counters import ServiceUpdates
 
 log = logging.getLogger("llmfleet.worker")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from shared.protocol import ErrorCode
-from worker.fair_queue import SortKey, WaitingQueue
+from worker.fair_queue import QueuePolicy, SortKey
 from worker.kv_cache import KVCacheManager
 from worker.preemption import PreemptionPolicy
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
@@ -102,7 +102,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
-        waiting: WaitingQueue,
+        waiting: QueuePolicy,
         policy: PreemptionPolicy,
     ) -> None:
         self.config = config
@@ -351,7 +351,7 @@ class Scheduler:
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens = chunk.end
             chunk.seq.num_computed_total += chunk.num_new_tokens
-            self.waiting.served(chunk.seq, chunk.num_new_tokens)
+            self.waiting.counters.served(chunk.seq, chunk.num_new_tokens)
             self._charge(chunk.seq, chunk.end)  # decodes; prefill was charged at admission
         if self.suspects and [c.seq for c in out.chunks] == [self.suspects[0]]:
             self.suspects.popleft()  # it ran alone without failing: not at fault
@@ -385,14 +385,14 @@ class Scheduler:
     def _charge(self, seq: Sequence, num_tokens_until: int) -> None:
         """Charge `seq`'s tenant for computing its tokens up to `num_tokens_until`, once."""
         if num_tokens_until > seq.num_charged_tokens:
-            self.waiting.charge(seq, num_tokens_until - seq.num_charged_tokens)
+            self.waiting.counters.charge(seq, num_tokens_until - seq.num_charged_tokens)
             seq.num_charged_tokens = num_tokens_until
 
     def _refund(self, seq: Sequence) -> None:
         """Give back what was charged for `seq` and will not be computed (the rest of its
         prompt, when it is preempted or ends part-way through)."""
         if seq.num_charged_tokens > seq.num_computed_tokens:
-            self.waiting.charge(seq, seq.num_computed_tokens - seq.num_charged_tokens)
+            self.waiting.counters.charge(seq, seq.num_computed_tokens - seq.num_charged_tokens)
             seq.num_charged_tokens = seq.num_computed_tokens
 
     def _release(self, seq: Sequence) -> None:

@@ -22,8 +22,8 @@ def _pop_charged(queue: FairQueue, tenant: str | None = None):
     """Admit the queue's next sequence, charged and served its tokens as the scheduler does."""
     seq = queue.pop()
     assert tenant is None or seq.tenant_id == tenant
-    queue.charge(seq, seq.num_tokens)
-    queue.served(seq, seq.num_tokens)
+    queue.counters.charge(seq, seq.num_tokens)
+    queue.counters.served(seq, seq.num_tokens)
     return seq
 
 
@@ -37,8 +37,8 @@ def _serve(queue: FairQueue, num_pops: int, cost_of=lambda seq: 100) -> Counter[
     served: Counter[str] = Counter()
     for _ in range(num_pops):
         seq = queue.pop()
-        queue.charge(seq, cost_of(seq))
-        queue.served(seq, cost_of(seq))
+        queue.counters.charge(seq, cost_of(seq))
+        queue.counters.served(seq, cost_of(seq))
         served[seq.tenant_id] += cost_of(seq)
     return served
 
@@ -50,7 +50,7 @@ def test_equal_tenants_alternate_request_by_request():
     order = []
     for _ in range(6):
         seq = q.pop()
-        q.charge(seq, 10)  # small charges: several picks per round, still interleaved
+        q.counters.charge(seq, 10)  # small charges: several picks per round, still interleaved
         order.append(seq.tenant_id)
     assert order == ["b", "a", "b", "a", "b", "a"]  # the last to start waiting goes first
 
@@ -72,7 +72,7 @@ def test_charges_after_the_fact_count_running_work():
     _fill(q, "a", 50)
     _fill(q, "b", 50)
     first = q.pop()
-    q.charge(first, 1000)  # its first request turns out long: 1000 tokens of decode
+    q.counters.charge(first, 1000)  # its first request turns out long: 1000 tokens of decode
     picks = [q.pop().tenant_id for _ in range(10)]
     other = "b" if first.tenant_id == "a" else "a"
     assert picks == [other] * 10  # the other catches up before it starts anything else
@@ -90,14 +90,14 @@ def test_a_higher_tier_wins_contested_admission():
     q = FairQueue(quantum_tokens=100)
     _fill(q, "low", 3, tier=0, weight=8)
     _fill(q, "high", 2, tier=2, weight=1)
-    q.charge(_seq("high", tier=2), 10_000)  # deep in debt, still first: tiers are strict
+    q.counters.charge(_seq("high", tier=2), 10_000)  # deep in debt, still first: tiers are strict
     assert [q.pop().tenant_id for _ in range(5)] == ["high", "high", "low", "low", "low"]
 
 
 def test_work_conserving_whatever_the_debt():
     q = FairQueue(quantum_tokens=1)
     seq = _seq("a")
-    q.charge(seq, 10**9)
+    q.counters.charge(seq, 10**9)
     q.push(seq)
     assert q.peek() is seq
     assert q.pop() is seq
@@ -118,7 +118,7 @@ def test_using_idle_capacity_is_not_punished():
     _fill(q, "a", 10)
     _serve(q, 10)  # a alone: its queue empties
     running = _seq("a")
-    q.served(running, 50_000)  # a's running sequences use the idle machine heavily
+    q.counters.served(running, 50_000)  # a's running sequences use the idle machine heavily
     _fill(q, "b", 20)  # b arrives first: it is lifted to the level of a, the last to leave
     _fill(q, "a", 20)
     served = _serve(q, 10)
@@ -146,9 +146,9 @@ def test_remove_a_waiting_sequence():
 def test_charges_are_counted_per_tenant():
     q = FairQueue()
     seq = _seq("a")
-    q.charge(seq, 7)
-    q.charge(seq, 3)
-    assert q.num_tokens_charged == {"a": 10}
+    q.counters.charge(seq, 7)
+    q.counters.charge(seq, 3)
+    assert q.counters.num_tokens_charged == {"a": 10}
 
 
 def test_fifo_queue_keeps_arrival_order_across_tenants():
@@ -170,13 +170,13 @@ def test_a_tenant_less_served_than_its_competition_starts_level_with_it_whatever
     q.push(_seq("b", prompt=300))
     b_running = q.pop()
     assert b_running.tenant_id == "b"
-    q.charge(b_running, 300)  # its prompt, charged in full at admission
+    q.counters.charge(b_running, 300)  # its prompt, charged in full at admission
     for _ in range(20):
         a = q.pop()
-        q.charge(a, 100)
-        q.served(a, 100)
-        q.charge(b_running, 10)  # a decode step's worth of b's tokens
-        q.served(b_running, 10)
+        q.counters.charge(a, 100)
+        q.counters.served(a, 100)
+        q.counters.charge(b_running, 10)  # a decode step's worth of b's tokens
+        q.counters.served(b_running, 10)
     q.push(b_next := _seq("b"))
     assert q.pop() is b_next
 
@@ -186,13 +186,13 @@ def test_a_tenant_served_beyond_its_competition_waits_its_turn_on_return():
     _fill(q, "a", 50)
     q.push(_seq("b"))
     b_running = q.pop()
-    q.served(b_running, 1_000)  # 10 quanta more than a has had
+    q.counters.served(b_running, 1_000)  # 10 quanta more than a has had
     q.push(_seq("b"))
     picks = []
     for _ in range(12):
         seq = q.pop()
-        q.charge(seq, 100)  # a quantum each, computed at once
-        q.served(seq, 100)
+        q.counters.charge(seq, 100)  # a quantum each, computed at once
+        q.counters.served(seq, 100)
         picks.append(seq.tenant_id)
     assert picks == ["a"] * 10 + ["b", "a"]  # b sits out the 10 quanta it is ahead by
 
@@ -202,10 +202,10 @@ def test_prefill_order_follows_computed_service_per_weight():
     light, heavy = _seq("light", weight=2), _seq("heavy", weight=1)
     q.push(light)
     q.push(heavy)
-    q.served(light, 300)  # 150 per unit of weight
-    q.served(heavy, 100)
+    q.counters.served(light, 300)  # 150 per unit of weight
+    q.counters.served(heavy, 100)
     assert q.priority(heavy) < q.priority(light)
-    q.served(heavy, 100)  # 200 per unit of weight: more, though fewer tokens than light's
+    q.counters.served(heavy, 100)  # 200 per unit of weight: more, though fewer tokens than light's
     assert q.priority(light) < q.priority(heavy)
 
 
@@ -213,12 +213,12 @@ def test_a_returning_tenant_leads_the_least_served_waiting_tenant_by_its_burst_a
     q = FairQueue(quantum_tokens=100, burst_tokens=300)
     _fill(q, "a", 5)
     a = q.peek()
-    q.served(a, 10_000)  # b was idle all this time: that earns it no more than a burst
+    q.counters.served(a, 10_000)  # b was idle all this time: that earns it no more than a burst
     q.push(b := _seq("b"))
     assert q.priority(b) < q.priority(a)  # its next prompts go first...
-    q.served(b, 299)
+    q.counters.served(b, 299)
     assert q.priority(b) < q.priority(a)
-    q.served(b, 2)
+    q.counters.served(b, 2)
     assert q.priority(a) < q.priority(b)  # ...but only for a burst's worth of tokens
 
 
@@ -244,11 +244,11 @@ def test_a_prompt_is_charged_from_admission_until_it_is_computed():
     _fill(q, "b", 3)
     first = q.pop()
     assert first.tenant_id == "b"  # the last to start waiting goes first among equals
-    q.charge(first, 1_000)
-    assert q.tenants["b"].service == 0
+    q.counters.charge(first, 1_000)
+    assert q.counters.tenants["b"].service == 0
     assert [q.pop().tenant_id for _ in range(2)] == ["a", "a"]
-    q.served(first, 1_000)  # computed: the charge turns into service, not twice
-    assert q.tenants["b"].counter == 1_000
+    q.counters.served(first, 1_000)  # computed: the charge turns into service, not twice
+    assert q.counters.tenants["b"].counter == 1_000
 
 
 def test_a_refund_gives_back_what_was_charged_and_will_not_be_computed():
@@ -256,22 +256,22 @@ def test_a_refund_gives_back_what_was_charged_and_will_not_be_computed():
     _fill(q, "a", 3)
     _fill(q, "b", 3)
     first = q.pop()
-    q.charge(first, 1_000)
-    q.charge(first, -1_000)  # preempted before any of it was computed
-    assert q.tenants[first.tenant_id].counter == 0
+    q.counters.charge(first, 1_000)
+    q.counters.charge(first, -1_000)  # preempted before any of it was computed
+    assert q.counters.tenants[first.tenant_id].counter == 0
     assert q.pop().tenant_id != first.tenant_id  # round robin among equals again
 
 
 def test_service_updates_carry_what_was_computed_and_the_lifts_then_start_afresh():
     q = FairQueue(quantum_tokens=100, burst_tokens=100)
     q.push(a := _seq("a", weight=2))
-    q.served(q.pop(), 300)
+    q.counters.served(q.pop(), 300)
     q.push(_seq("a", weight=2))  # a waits again
     q.push(_seq("b"))  # b is lifted to a's 150 - 100
-    updates = q.take_service_updates()
+    updates = q.counters.take_updates()
     assert updates.served == {"a": 150.0}
     assert updates.floors == {"b": 50.0}
-    assert not q.take_service_updates()
+    assert not q.counters.take_updates()
     assert a.tenant_id == "a"
 
 
@@ -284,21 +284,21 @@ def test_a_worker_orders_by_the_pools_counters():
     _fill(worker_2, "a", 5)
     _fill(worker_2, "b", 5)
     worker_1.push(_seq("a"))
-    worker_1.served(worker_1.pop(), 5_000)
-    pool.sync(worker_1.take_service_updates())
-    worker_2.apply_pool_service(pool.sync(worker_2.take_service_updates()))
+    worker_1.counters.served(worker_1.pop(), 5_000)
+    pool.sync(worker_1.counters.take_updates())
+    worker_2.counters.apply_pool(pool.sync(worker_2.counters.take_updates()))
     assert list(_serve(worker_2, 5).elements()).count("b") == 500
 
 
 def test_the_pools_counters_never_lower_a_tenants_own_and_lost_ones_are_sent_back():
     q = FairQueue(burst_tokens=0)
     q.push(_seq("a"))
-    q.served(q.pop(), 1_000)
-    q.take_service_updates()
-    q.apply_pool_service({"a": 400.0})  # a Redis that lost some of its data
-    assert q.tenants["a"].service == 1_000
-    q.apply_pool_service({})  # lost all of it
-    assert q.take_service_updates().floors == {"a": 1_000}
+    q.counters.served(q.pop(), 1_000)
+    q.counters.take_updates()
+    q.counters.apply_pool({"a": 400.0})  # a Redis that lost some of its data
+    assert q.counters.tenants["a"].service == 1_000
+    q.counters.apply_pool({})  # lost all of it
+    assert q.counters.take_updates().floors == {"a": 1_000}
 
 
 def test_a_tenant_with_nothing_waiting_starts_soon_when_it_is_needier_than_the_rest():
@@ -306,10 +306,10 @@ def test_a_tenant_with_nothing_waiting_starts_soon_when_it_is_needier_than_the_r
     running = [_seq("flood") for _ in range(4)]
     for seq in running:
         q.push(seq)
-        q.served(q.pop(), 1_000)  # the flood fills the batch with 4,000 tokens of service
+        q.counters.served(q.pop(), 1_000)  # the flood fills the batch with 4,000 tokens of service
     assert "new" in q.starting_soon(["new"], running)  # never seen: it would be lifted and go first
     q.push(light := _seq("light"))
-    q.served(q.pop(), 10)
+    q.counters.served(q.pop(), 10)
     assert light.tenant_id == "light"
     assert "light" in q.starting_soon(["light"], running)  # far below the flood: it displaces it
     q.push(_seq("light"))
@@ -326,7 +326,7 @@ def test_a_tenant_within_a_quantum_waits_for_a_free_place_behind_the_neediest():
     running = [q.pop() for _ in service]
     _fill(q, "b", 1)  # b waits
     for seq in running:
-        q.served(seq, service[seq.tenant_id])
+        q.counters.served(seq, service[seq.tenant_id])
     assert "a" not in q.starting_soon(["a"], running)  # 1,000: neither displaces nor goes next
     assert "c" not in q.starting_soon(["c"], running)
     q.pop()

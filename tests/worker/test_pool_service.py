@@ -9,8 +9,8 @@ import pytest
 
 from cli.redis_server import EmbeddedRedis, free_port
 from shared import keys
-from worker.fair_queue import ServiceUpdates
 from worker.pool_service import PoolService, merge_service
+from worker.tenant_counters import ServiceUpdates
 
 
 async def test_workers_add_their_service_and_lifts_only_raise_a_counter(aredis):

@@ -119,7 +119,7 @@ def test_preempted_sequence_is_recomputed_charged_and_counted_for_its_tenant():
         # Computed: the prompt, then each decode but the last sampled token, plus recompute.
         num_computed_once = seq.num_prompt_tokens + seq.num_output_tokens - 1
         assert seq.num_computed_total >= num_computed_once
-        assert queue.num_tokens_charged[seq.tenant_id] == seq.num_computed_total
+        assert queue.counters.num_tokens_charged[seq.tenant_id] == seq.num_computed_total
     victim = a if scheduler.num_preemptions_by_tenant["a"] else b
     assert victim.num_computed_total > victim.num_prompt_tokens + victim.num_output_tokens - 1
 
