@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 
 from shared import deployments, keys, latency_window, tenants
 from shared.latency_window import LatencySummary
+from shared.redis_conn import text
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,14 +144,14 @@ async def _read_workers(redis: aioredis.Redis, now_s: float) -> list[WorkerState
     prefix = keys.worker_heartbeat("")
     workers = []
     async for key in redis.scan_iter(match=keys.worker_heartbeat_pattern(), count=100):
-        fields = {_text(k): _text(v) for k, v in (await redis.hgetall(key)).items()}  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
+        fields = {text(k): text(v) for k, v in (await redis.hgetall(key)).items()}  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
         if fields.get("model"):  # gone between SCAN and HGETALL, or not a worker's
-            workers.append(WorkerState.from_heartbeat(_text(key)[len(prefix) :], fields, now_s))
+            workers.append(WorkerState.from_heartbeat(text(key)[len(prefix) :], fields, now_s))
     return sorted(workers, key=lambda w: w.worker_id)
 
 
 async def _read_queues(redis: aioredis.Redis, model: str) -> list[QueueState]:
-    tenant_ids = sorted(_text(t) for t in await redis.smembers(keys.model_tenants(model)))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
+    tenant_ids = sorted(text(t) for t in await redis.smembers(keys.model_tenants(model)))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
     async with redis.pipeline(transaction=False) as pipe:
         for tenant_id in tenant_ids:
             stream = keys.tenant_stream(model, tenant_id)
@@ -178,10 +179,6 @@ def _workers_group(groups: object) -> dict:
     if not isinstance(groups, list):
         return {}
     for group in groups:
-        if _text(group.get("name", b"")) == keys.WORKER_GROUP:
+        if text(group.get("name", b"")) == keys.WORKER_GROUP:
             return group
     return {}
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
