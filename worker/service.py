@@ -192,13 +192,14 @@ class Worker:
                 break  # `_end_unfinished` ends what is left
             await self._take_new(serving)
             await self._end_cancelled(serving)
-            self._stats = engine.stats()
             if engine.has_work():
-                outputs = await self._step(serving)
+                outputs = await self._step(serving)  # its stats are the heartbeat's
                 if publishing is not None:
                     await publishing
                 publishing = publisher.publish(outputs)
-            elif serving.pool is not None and (updates := engine.take_service_updates()):
+                continue
+            self._stats = engine.stats()  # idle: what cancels and deadlines left
+            if serving.pool is not None and (updates := engine.take_service_updates()):
                 await serving.pool.sync(updates)  # the last step's service, once idle
         if publishing is not None:
             await publishing
