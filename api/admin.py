@@ -1,7 +1,7 @@
-"""The admin API under `/admin/v1`: tenants, their settings and their API keys.
+"""The admin API under `/admin/v1`: tenants, their settings and their API keys; model rollouts
+(`api/admin_rollouts.py`).
 
-Every call needs `Authorization: Bearer <admin key>` (`Settings.admin_secret`), compared in
-constant time; wrong ones are throttled per client address like tenant keys (`api/auth.py`).
+Every call needs `Authorization: Bearer <admin key>` (`api/admin_auth.py`).
 The two credentials never overlap: tenant keys start with `lf-`, which an admin key may not,
 and the admin key is not in the key table, so it opens none of `/v1`.
 
@@ -14,7 +14,6 @@ authentication reads SQL on each request (`shared.tenants.authenticate`, no cach
 
 from __future__ import annotations
 
-import hmac
 from datetime import UTC, datetime
 
 from starlette.concurrency import run_in_threadpool
@@ -22,27 +21,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
+from api import admin_rollouts
+from api.admin_auth import admin_context
 from api.admin_schemas import TenantCreateBody, TenantUpdateBody
-from api.auth import verify_key
 from api.context import ApiContext
 from api.errors import APIError, bad_request, not_found
 from api.schemas import parse_body, read_body
-from shared import tenants
+from shared import principals_epoch, tenants
 from shared.tables import Tenant
 from shared.tenants import LIMIT_FIELDS, InvalidTenantField, IssuedKey, KeyInfo, TenantNameTaken
-
-
-async def admin_context(request: Request) -> ApiContext:
-    """The context, once the caller has shown the admin key; 401 otherwise (429 while the
-    caller's address is throttled)."""
-    ctx: ApiContext = request.state.ctx
-
-    async def is_admin_key(key: str) -> ApiContext | None:
-        is_admin = hmac.compare_digest(key.encode(), ctx.settings.admin_secret.encode())
-        return ctx if is_admin else None
-
-    message = "Invalid or missing admin key."
-    return await verify_key(request, ctx, is_admin_key, missing=message, invalid=message)
 
 
 async def create_tenant(request: Request) -> Response:
@@ -105,6 +92,7 @@ async def update_tenant(request: Request) -> Response:
         raise bad_request(str(exc), param=exc.field, code="invalid_value") from None
     if tenant is None:
         raise _no_tenant(name)
+    await principals_epoch.advance(ctx.redis)
     return JSONResponse(_tenant_json(tenant))
 
 
@@ -131,6 +119,7 @@ async def revoke_key(request: Request) -> Response:
     info = await run_in_threadpool(tenants.revoke_key, ctx.engine, key_id)
     if info is None:
         raise not_found(f"No API key with id `{text}`.")
+    await principals_epoch.advance(ctx.redis)
     return JSONResponse(_key_json(info))
 
 
@@ -196,6 +185,7 @@ routes = [
             Route("/tenants/{name}/keys", create_key, methods=["POST"]),
             Route("/tenants/{name}/keys", list_keys, methods=["GET"]),
             Route("/keys/{key_id}", revoke_key, methods=["DELETE"]),
+            *admin_rollouts.routes,
         ],
     )
 ]

@@ -8,7 +8,7 @@ takes its default (`shared.tenants.limits_with_defaults`). Names and ranges are 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -72,3 +72,16 @@ class TenantUpdateBody(AdminBody):
 
     def changes(self) -> dict[str, object]:
         return self.model_dump(exclude_unset=True)
+
+
+class RolloutStartBody(AdminBody):
+    """`POST /admin/v1/models/{model}/rollout`; ranges are `shared.rollouts.start`'s."""
+
+    version: Annotated[str, Field(min_length=1, max_length=200)]
+    percent: Annotated[float, Field(gt=0, le=100)]
+    step_percent: Annotated[float, Field(ge=0, le=100)] = 0.0  # 0: held until promoted
+    interval_s: Annotated[float, Field(ge=1, le=86_400)] = 60.0
+    sticky: Literal["none", "tenant", "user"] = "none"
+    # Requests each version needs in the window before the canary is judged; null: the
+    # setting (`LLMFLEET_ROLLOUT_MIN_NUM_SAMPLES`).
+    min_num_samples: Annotated[int, Field(ge=1, le=1_000_000)] | None = None

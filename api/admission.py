@@ -1,6 +1,7 @@
 """Admission: turn a validated body into a `QueuedRequest`, or refuse it before anything is enqueued.
 
-Checks, in order: the model exists (404). Then the tenant's limits that need no tokens
+Checks, in order: the model exists (404), and which of its versions serves the request
+(`api/router.py`; a pinned `model@version` that does not exist is a 404 too). Then the tenant's limits that need no tokens
 (`_slot_taken`: requests in flight, queued, per minute; a 429 with `Retry-After`), before
 any costly work, so a tenant over its limits costs no tokenizing. Then the prompt: at most
 `max_prompt_chars_per_context_token` characters per token of the model's context
@@ -26,13 +27,12 @@ from contextlib import asynccontextmanager
 from typing import Literal
 
 import anyio
-from starlette.concurrency import run_in_threadpool
 
 from api import prompts
 from api.context import ApiContext
-from api.errors import APIError, bad_request, model_not_found, rate_limited
+from api.errors import APIError, bad_request, rate_limited
 from api.schemas import ChatBody, CompletionBody, GenerationBody
-from shared import deployments, quota
+from shared import quota
 from shared.protocol import QueuedRequest, SamplingParams
 from shared.settings import Settings
 from shared.tables import ModelDeployment
@@ -48,7 +48,7 @@ Kind = Literal["completion", "chat"]
 async def admit_completion(
     ctx: ApiContext, principal: Principal, body: CompletionBody
 ) -> QueuedRequest:
-    deployment = await _deployment(ctx, body.model)
+    deployment = await ctx.router.route(body.model, principal.tenant_id, body.user)
     request_id = _new_request_id("completion")
     async with _slot_taken(ctx, principal, request_id):
         prompt_ids = await _completion_prompt_ids(ctx, principal, deployment, body.prompt)
@@ -61,7 +61,7 @@ async def admit_completion(
 
 
 async def admit_chat(ctx: ApiContext, principal: Principal, body: ChatBody) -> QueuedRequest:
-    deployment = await _deployment(ctx, body.model)
+    deployment = await ctx.router.route(body.model, principal.tenant_id, body.user)
     request_id = _new_request_id("chat")
     async with _slot_taken(ctx, principal, request_id):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -227,7 +227,7 @@ async def _default_chat_max_tokens(
     # Without a limit, a chat answer may use the rest of the context (as OpenAI's API does),
     # or of what the workers' KV cache can hold for one sequence, if that is less.
     limit = deployment.max_context_tokens
-    if (capacity := await ctx.kv_capacity.max_tokens(deployment.model_id)) is not None:
+    if (capacity := await ctx.kv_capacity.max_tokens(deployment.name)) is not None:
         limit = min(limit, capacity)
     return max(limit - num_prompt_tokens, 1)
 
@@ -236,22 +236,15 @@ async def _check_kv_capacity(
     ctx: ApiContext, deployment: ModelDeployment, num_prompt_tokens: int, max_tokens: int
 ) -> None:
     """Refuse, before enqueueing, a request no worker's KV cache could ever hold."""
-    capacity = await ctx.kv_capacity.max_tokens(deployment.model_id)
+    capacity = await ctx.kv_capacity.max_tokens(deployment.name)
     if capacity is not None and num_prompt_tokens + max_tokens > capacity:
         raise bad_request(
             f"The request needs up to {num_prompt_tokens + max_tokens} tokens of KV cache "
             f"({num_prompt_tokens} in the prompt, {max_tokens} for max_tokens); the workers "
-            f"serving `{deployment.model_id}` hold at most {capacity} per sequence.",
+            f"serving `{deployment.name}` hold at most {capacity} per sequence.",
             param="max_tokens",
             code="context_length_exceeded",
         )
-
-
-async def _deployment(ctx: ApiContext, model: str) -> ModelDeployment:
-    deployment = await run_in_threadpool(deployments.get_active, ctx.engine, model)
-    if deployment is None:
-        raise model_not_found(model)
-    return deployment
 
 
 def _checked_token_ids(token_ids: list[int], vocab_size: int) -> list[int]:
@@ -290,6 +283,7 @@ def _queued(
         weight=principal.weight,
         content_retention_days=principal.content_retention_days,
         model=deployment.model_id,
+        version=deployment.version,
         deployment_id=deployment.id,
         kind=kind,
         prompt_token_ids=prompt_ids,

@@ -2,39 +2,39 @@
 stream; then read its events, whole and in order, whatever pub/sub drops.
 
 Subscribing first is what makes the hand-off safe: pub/sub delivers only to listeners
-present at PUBLISH time, so the confirmation of SUBSCRIBE is awaited before XADD.
-
-Each stream's pub/sub connection comes from a pool of its own (one connection) and is closed
-with the stream, the cancel a stream publishes when its client leaves going over that same
-connection: redis-py's shared pool never closes an idle connection, so a burst of streams
-ending together (each publishing its cancel at once) used to leave as many connections open
-in it for the life of the process.
+present at PUBLISH time, so the confirmation of SUBSCRIBE is awaited before XADD. The
+subscription is on one of the process's few shared pub/sub connections
+(`api/subscriber.py`), whatever the number of streams.
 
 Pub/sub is at most once, so events are also read from the request's journal
-(`shared/journal.py`): at the start (a resumed stream catches up), on a gap in `seq`, and
-whenever the channel has been silent for `stream_idle_check_s`. A silent request whose
+(`shared/journal.py`): at the start (a resumed stream catches up), on a gap in `seq`, when
+the stream's inbox dropped messages or its shared connection was lost and opened again,
+and whenever the channel has been silent for `stream_idle_check_s`. A silent request whose
 worker stopped heartbeating after it had started generating is ended here with
 `worker_lost` (`shared/ending.py`), so a stream ends even when no other worker is left to
 notice.
+
+A stream can also be interrupted by this process (`Interruption`): it then ends at an
+event's boundary, and its SSE layer says why.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import anyio
 import redis.asyncio as aioredis
-from redis.asyncio.client import PubSub
-from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from api.subscriber import Inbox, Notice, Subscriber
 from shared import keys, recovery
 from shared.ending import end_request, failed
 from shared.journal import Journal
@@ -53,12 +53,20 @@ from shared.settings import Settings
 
 log = logging.getLogger("llmfleet.api")
 
-SUBSCRIBE_TIMEOUT_S = 5.0
-# The Redis client name of every stream's own connection (`CLIENT LIST` tells them apart).
-STREAM_CLIENT_NAME = "llmfleet-api-stream"
-# How long a stream waits for the broker to come back before it gives up.
-RESUBSCRIBE_TIMEOUT_S = 30.0
+# How long a stream waits for an unreachable broker to come back before it gives up.
+BROKER_WAIT_S = 30.0
 Event = TokenEvent | FinalEvent | ErrorEvent
+
+
+class Interruption(StrEnum):
+    """Why this API process ended a stream before its request ended: the `code` of the SSE
+    error event its client gets (`api/streaming.py`)."""
+
+    # The process is shutting down (`api/shutdown.py`): the request runs on, and its client
+    # resumes the stream on another replica.
+    API_SHUTDOWN = "api_shutdown"
+    # Its client took nothing for `stream_send_timeout_s`: the request is cancelled.
+    STREAM_STALLED = "stream_stalled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,36 +104,77 @@ class StreamTiming:
         return cls(settings.stream_idle_check_s, settings.worker_heartbeat_timeout_s)
 
 
+@dataclass(frozen=True, slots=True)
+class Broker:
+    """What a stream needs of Redis: commands, the journal, the shared subscriber."""
+
+    redis: aioredis.Redis
+    journal: Journal
+    subscriber: Subscriber
+    timing: StreamTiming
+
+    async def submit(self, request: QueuedRequest) -> Subscription:
+        """Subscribe to the request's channel, then enqueue it on its tenant's stream."""
+        info = RequestInfo.of(request)
+        bind_request(info.request_id, info.tenant_id, info.model)
+        inbox = await self.subscriber.listen(keys.request_channel(info.request_id))
+        try:
+            await _enqueue(self.redis, self.journal, info, request)
+        except BaseException:
+            self.subscriber.stop_listening(inbox)
+            raise
+        return Subscription(info, inbox, self)
+
+    async def resume(self, info: RequestInfo, next_seq: int) -> Subscription:
+        """Follow a request's events from `next_seq` (a reconnecting client)."""
+        bind_request(info.request_id, info.tenant_id, info.model)
+        inbox = await self.subscriber.listen(keys.request_channel(info.request_id))
+        return Subscription(info, inbox, self, next_seq=next_seq)
+
+
 @dataclass
 class Subscription:
     """A request's event channel, subscribed before the request was enqueued (or before its
     journal is read, for a resumed stream)."""
 
     info: RequestInfo
-    pubsub: PubSub
-    redis: aioredis.Redis
-    journal: Journal
-    timing: StreamTiming
+    inbox: Inbox
+    broker: Broker
     next_seq: int = 0
     is_finished: bool = False
     is_closed: bool = False
     _silent_since_s: float = field(default_factory=time.monotonic)
     _last_event_s: float = field(default_factory=time.monotonic)
 
+    @property
+    def interruption(self) -> Interruption | None:
+        reason = self.inbox.interruption
+        return None if reason is None else Interruption(reason)
+
+    def interrupt(self, reason: Interruption) -> None:
+        """End `events` at its next event's boundary (the first reason given stays)."""
+        self.inbox.interrupt(reason)
+
     async def events(self) -> AsyncIterator[Event]:
-        """Token events from `next_seq` on, then exactly one final or error event."""
-        is_catching_up = True  # first, and after a reconnect: what the journal holds
-        while not self.is_finished:
+        """Token events from `next_seq` on, then exactly one final or error event; nothing
+        more once interrupted."""
+        is_catching_up = True  # first, and after the broker was away: what the journal holds
+        outage: _Outage | None = None
+        while not self.is_finished and self.inbox.interruption is None:
             try:
                 events = await self._next_events(is_catching_up)
-                is_catching_up = False
+                is_catching_up, outage = False, None
             except (RedisConnectionError, RedisTimeoutError):
-                # The broker restarted and redis-py's own reconnect failed (it does not retry
-                # a failed reconnect): subscribe again; the journal holds what was missed.
-                await self._resubscribe()
+                # The broker is restarting and the client's own retries gave up: try again;
+                # the journal holds what was published meanwhile.
+                outage = outage or _Outage()
+                if not await outage.wait():
+                    raise
                 is_catching_up = True
                 continue
             for event in events:
+                if self.inbox.interruption is not None:
+                    return
                 if (accepted := self._accept(event)) is not None:
                     yield accepted
                 if self.is_finished:
@@ -133,44 +182,37 @@ class Subscription:
 
     async def _next_events(self, is_catching_up: bool) -> list[Event]:
         if is_catching_up:
-            return await self.journal.read_after(self.info.request_id, self.next_seq - 1)
-        message = await self.pubsub.get_message(
-            ignore_subscribe_messages=True, timeout=self.timing.idle_check_s
-        )
-        return await self._after(message)
-
-    async def _after(self, message: dict | None) -> list[Event]:
-        """The events to hand out after a pub/sub message, or after silence."""
-        if message is None or message["type"] != "message":
+            return await self._read_journal()
+        message = await self.inbox.get(self.broker.timing.idle_check_s)
+        if message is Notice.INTERRUPTED:
+            return []
+        if message is Notice.MISSED:  # dropped here, or the shared connection was lost
+            return await self._read_journal()
+        if message is None:
             return await self._after_silence()
+        return await self._after_message(message)
+
+    async def _after_message(self, message: bytes) -> list[Event]:
         self._silent_since_s = time.monotonic()
-        event = decode_event(message["data"])
+        event = decode_event(message)
         if event.seq <= self.next_seq:
             return [event]
         # A gap: what pub/sub dropped is in the journal (the event itself is there too).
-        return await self.journal.read_after(self.info.request_id, self.next_seq - 1)
+        return await self._read_journal()
 
     async def _after_silence(self) -> list[Event]:
-        events = await self.journal.read_after(self.info.request_id, self.next_seq - 1)
-        if events or time.monotonic() - self._silent_since_s < self.timing.idle_check_s:
+        events = await self._read_journal()
+        if events or time.monotonic() - self._silent_since_s < self.broker.timing.idle_check_s:
             return events
-        await self._end_if_stuck()
+        try:
+            await self._end_if_stuck()
+        except OutOfMemoryError as exc:  # Redis refuses writes for now: next time, then
+            log.warning("could not end %s yet: %s", self.info.request_id, exc)
         self._silent_since_s = time.monotonic()
-        return await self.journal.read_after(self.info.request_id, self.next_seq - 1)
+        return await self._read_journal()
 
-    async def _resubscribe(self) -> None:
-        with anyio.CancelScope(shield=True), contextlib.suppress(RedisConnectionError):
-            await _close_pubsub(self.pubsub)
-        deadline_s, delay_s = time.monotonic() + RESUBSCRIBE_TIMEOUT_S, 0.05
-        while True:
-            try:
-                self.pubsub = await _subscribe(self.redis, self.info.request_id)
-                return
-            except (RedisConnectionError, RedisTimeoutError, RuntimeError):
-                if time.monotonic() + delay_s > deadline_s:
-                    raise
-                await anyio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 1.0)
+    async def _read_journal(self) -> list[Event]:
+        return await self.broker.journal.read_after(self.info.request_id, self.next_seq - 1)
 
     def _accept(self, event: Event) -> Event | None:
         if event.seq < self.next_seq:
@@ -185,24 +227,26 @@ class Subscription:
         """End the request if it started and its worker stopped heartbeating
         (`worker_lost`), or if it never started and its queue deadline passed
         (`queue_timeout`, for when no worker is there to say so)."""
-        meta = await self.journal.meta(self.info.request_id)
-        if await self.journal.last_seq(self.info.request_id) < 0:
+        redis, journal = self.broker.redis, self.broker.journal
+        meta = await journal.meta(self.info.request_id)
+        if await journal.last_seq(self.info.request_id) < 0:
             queue_deadline_ts = float(meta.get("queue_deadline_ts", "inf"))
             if time.time() <= queue_deadline_ts:
                 return  # waiting; a live worker will reclaim it if its puller died
             code, message = ErrorCode.QUEUE_TIMEOUT, "the request waited past its queue deadline"
         else:
-            if time.monotonic() - self._last_event_s < self.timing.lost_after_s:
+            lost_after_s = self.broker.timing.lost_after_s
+            if time.monotonic() - self._last_event_s < lost_after_s:
                 return  # quiet, not yet long enough to tell a dead worker from a pause
             owner = meta.get("owner")
-            if owner is None or await self.redis.exists(keys.worker_heartbeat(owner)):
+            if owner is None or await redis.exists(keys.worker_heartbeat(owner)):
                 return  # its worker is alive
-            if not await recovery.is_broker_settled(self.redis, self.timing.lost_after_s):
+            if not await recovery.is_broker_settled(redis, lost_after_s):
                 return  # the broker just restarted: its worker may not have beaten yet
             code, message = ErrorCode.WORKER_LOST, "the worker generating this request stopped"
         stream, entry_id = meta["stream"], meta["entry_id"]
         entry: tuple[str, str] | None = (stream, entry_id)
-        request = await _queued_request(self.redis, stream, entry_id)
+        request = await _queued_request(redis, stream, entry_id)
         if request is None:
             # The entry is gone but the request never ended. Seen once in CI; the likely
             # causes are fixed (an enqueue retried by the client after it ran queued the
@@ -213,35 +257,52 @@ class Subscription:
             if request is None:
                 return
         await end_request(
-            self.redis,
-            self.journal,
+            redis,
+            journal,
             request,
             entry,
             failed(code, message),
             claimer=f"api-{os.getpid()}",
+            take_over_after_s=self.broker.timing.lost_after_s,
         )
 
     async def close(self, *, cancel_if_unfinished: bool = True) -> None:
-        """Unsubscribe and close the stream's connection; first, if the request has not
-        ended, tell the workers serving the model that its client went away (they abort it
-        and record the usage so far, finish reason `cancelled`). Idempotent."""
+        """Stop listening; then, if the request has not ended, tell the workers serving the
+        model that its client went away (they abort it and record the usage so far, finish
+        reason `cancelled`), unless the stream was interrupted by this process's shutdown
+        (the request runs on, for its client to resume elsewhere). Idempotent."""
         if self.is_closed:
             return
         self.is_closed = True
+        self.broker.subscriber.stop_listening(self.inbox)
+        if not cancel_if_unfinished or self.is_finished:
+            return
+        if self.interruption is Interruption.API_SHUTDOWN:
+            return
         # Shielded: this runs while a disconnected stream is being cancelled.
         with anyio.CancelScope(shield=True):
-            pool = self.pubsub.connection_pool
             try:
-                await self.pubsub.aclose()
-                if cancel_if_unfinished and not self.is_finished:
-                    # The stream's own connection, reconnected: see the module docstring.
-                    await aioredis.Redis(connection_pool=pool).publish(
-                        keys.cancel_channel(self.info.model), encode_cancel(self.info.request_id)
-                    )
+                await self.broker.redis.publish(
+                    keys.cancel_channel(self.info.model), encode_cancel(self.info.request_id)
+                )
             except BROKER_ERRORS as exc:
                 log.warning("could not cancel %s (%s)", self.info.request_id, exc)
-            finally:
-                await pool.disconnect()
+
+
+@dataclass
+class _Outage:
+    """Backoff while the broker is unreachable, for up to `BROKER_WAIT_S`."""
+
+    deadline_s: float = field(default_factory=lambda: time.monotonic() + BROKER_WAIT_S)
+    delay_s: float = 0.05
+
+    async def wait(self) -> bool:
+        """Wait before the next try; False (at once) if that would pass the deadline."""
+        if time.monotonic() + self.delay_s > self.deadline_s:
+            return False
+        await anyio.sleep(self.delay_s)
+        self.delay_s = min(self.delay_s * 2, 1.0)
+        return True
 
 
 # KEYS: the model's tenant set, the tenant's stream, the request's meta hash.
@@ -259,31 +320,26 @@ return id
 """
 
 
-async def submit(
-    redis: aioredis.Redis, journal: Journal, request: QueuedRequest, timing: StreamTiming
-) -> Subscription:
-    info = RequestInfo.of(request)
-    bind_request(info.request_id, info.tenant_id, info.model)
-    pubsub = await _subscribe(redis, info.request_id)
-    try:
-        stream = keys.tenant_stream(request.model, request.tenant_id)
-        fields = {**_info_fields(info), "stream": stream, **_usage_fields(request)}
-        if request.queue_deadline_ts is not None:
-            fields["queue_deadline_ts"] = str(request.queue_deadline_ts)
-        await redis.register_script(_ENQUEUE_LUA)(
-            keys=[keys.model_tenants(request.model), stream, keys.request_meta(request.request_id)],
-            args=[
-                request.tenant_id,
-                journal.ttl_s,
-                request.to_fields()["body"],
-                *(item for pair in fields.items() for item in pair),
-            ],
-        )
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await _close_pubsub(pubsub)
-        raise
-    return Subscription(info, pubsub, redis, journal, timing)
+async def _enqueue(
+    redis: aioredis.Redis, journal: Journal, info: RequestInfo, request: QueuedRequest
+) -> None:
+    stream = keys.tenant_stream(request.deployment_name, request.tenant_id)
+    fields = {**_info_fields(info), "stream": stream, **_usage_fields(request)}
+    if request.queue_deadline_ts is not None:
+        fields["queue_deadline_ts"] = str(request.queue_deadline_ts)
+    await redis.register_script(_ENQUEUE_LUA)(
+        keys=[
+            keys.model_tenants(request.deployment_name),
+            stream,
+            keys.request_meta(request.request_id),
+        ],
+        args=[
+            request.tenant_id,
+            journal.ttl_s,
+            request.to_fields()["body"],
+            *(item for pair in fields.items() for item in pair),
+        ],
+    )
 
 
 async def request_info(journal: Journal, request_id: str, tenant_id: str) -> RequestInfo | None:
@@ -293,46 +349,6 @@ async def request_info(journal: Journal, request_id: str, tenant_id: str) -> Req
     if meta.get("tenant_id") != tenant_id:
         return None
     return RequestInfo(request_id, tenant_id, meta["model"], meta["kind"], int(meta["created"]))
-
-
-async def resume(
-    redis: aioredis.Redis, journal: Journal, info: RequestInfo, next_seq: int,
-    timing: StreamTiming,
-) -> Subscription:  # fmt: skip
-    """Follow a request's events from `next_seq` (a reconnecting client)."""
-    bind_request(info.request_id, info.tenant_id, info.model)
-    pubsub = await _subscribe(redis, info.request_id)
-    return Subscription(info, pubsub, redis, journal, timing, next_seq=next_seq)
-
-
-async def _subscribe(redis: aioredis.Redis, request_id: str) -> PubSub:
-    """A subscription to the request's channel on a connection of its own (see the module
-    docstring); close it with `_close_pubsub`."""
-    shared = redis.connection_pool
-    own = ConnectionPool(
-        connection_class=shared.connection_class,
-        max_connections=1,
-        **{**shared.connection_kwargs, "client_name": STREAM_CLIENT_NAME},
-    )
-    pubsub = aioredis.Redis(connection_pool=own).pubsub()
-    try:
-        await pubsub.subscribe(keys.request_channel(request_id))
-        confirmation = await pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
-        if confirmation is None or confirmation["type"] != "subscribe":
-            raise RuntimeError("no SUBSCRIBE confirmation from Redis")
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await _close_pubsub(pubsub)
-        raise
-    return pubsub
-
-
-async def _close_pubsub(pubsub: PubSub) -> None:
-    pool = pubsub.connection_pool
-    try:
-        await pubsub.aclose()
-    finally:
-        await pool.disconnect()
 
 
 def _usage_fields(request: QueuedRequest) -> dict[str, str]:

@@ -15,10 +15,14 @@ import redis.asyncio as aioredis
 from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
+from api.broker import Broker
+from api.router import Router
+from api.shutdown import Shutdown
 from shared import keys, model_source
 from shared.journal import Journal
 from shared.settings import Settings
 from shared.tables import ModelDeployment
+from shared.tenants import Principal
 
 log = logging.getLogger("llmfleet.api")
 
@@ -101,22 +105,54 @@ class TokenizerThreads:
 
 @dataclass
 class KVCapacity:
-    """Per model, the most tokens one sequence can hold on the smallest live worker's KV cache,
-    as workers publish it; re-read at most every `ttl_s`. None when no worker has said."""
+    """Per model version (`model@version`), the most tokens one sequence can hold on the
+    smallest live worker's KV cache, as workers publish it; re-read at most every `ttl_s`.
+    None when no worker has said."""
 
     redis: aioredis.Redis
     ttl_s: float = 2.0
     _cached: dict[str, tuple[float, int | None]] = field(default_factory=dict)
 
-    async def max_tokens(self, model: str) -> int | None:
+    async def max_tokens(self, deployment: str) -> int | None:
         now = time.monotonic()
-        cached = self._cached.get(model)
+        cached = self._cached.get(deployment)
         if cached is not None and now - cached[0] < self.ttl_s:
             return cached[1]
-        smallest = await self.redis.zrange(keys.model_capacity(model), 0, 0, withscores=True)
+        capacity = keys.model_capacity(deployment)
+        smallest = await self.redis.zrange(capacity, 0, 0, withscores=True)
         value = int(smallest[0][1]) if smallest else None
-        self._cached[model] = (now, value)
+        self._cached[deployment] = (now, value)
         return value
+
+
+@dataclass
+class PrincipalCache:
+    """Principals of verified keys (by the key's hash), for one epoch at a time; each at
+    most `ttl_s` old (a change made while Redis was unreachable moves no epoch), at most
+    `max_num_entries` of them (then it starts over)."""
+
+    ttl_s: float = 60.0
+    max_num_entries: int = 10_000
+    _epoch: int = -1
+    _entries: dict[str, tuple[Principal, float]] = field(default_factory=dict)
+
+    def get(self, key_hash: str, epoch: int, now_s: float) -> Principal | None:
+        if epoch != self._epoch:
+            self._entries.clear()
+            self._epoch = epoch
+            return None
+        cached = self._entries.get(key_hash)
+        if cached is None or now_s - cached[1] > self.ttl_s:
+            return None
+        return cached[0]
+
+    def put(self, key_hash: str, principal: Principal, epoch: int, now_s: float) -> None:
+        """Keep a principal looked up after reading `epoch` (not if the epoch moved since)."""
+        if epoch != self._epoch:
+            return
+        if len(self._entries) >= self.max_num_entries:
+            self._entries.clear()
+        self._entries[key_hash] = (principal, now_s)
 
 
 @dataclass
@@ -127,10 +163,17 @@ class ApiContext:
     tokenizers: TokenizerCache
     kv_capacity: KVCapacity
     journal: Journal
+    broker: Broker
+    shutdown: Shutdown
+    principals: PrincipalCache = field(default_factory=PrincipalCache)
     tokenizer_threads: TokenizerThreads = field(init=False)
+    router: Router = field(init=False)
 
     def __post_init__(self) -> None:
+        settings = self.settings
         self.tokenizer_threads = TokenizerThreads(
-            self.settings.max_num_tokenizer_threads,
-            self.settings.max_num_tokenizer_threads_per_tenant,
+            settings.max_num_tokenizer_threads, settings.max_num_tokenizer_threads_per_tenant
+        )
+        self.router = Router(
+            self.engine, self.redis, settings.routing_cache_s, settings.worker_heartbeat_timeout_s
         )

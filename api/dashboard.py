@@ -7,7 +7,7 @@ tab and keeps it in sessionStorage, or takes it from the URL fragment (`/dashboa
 browsers never send a fragment to the server, so the key stays out of access logs).
 
 The data is the fleet snapshot (`shared/fleet.py`), the one `/metrics` and `llmfleet status`
-read. The page keeps the history for its charts itself, one point per poll.
+read; under `llmfleet up` it includes the processes `up` supervises, with their restarts. The page keeps the history for its charts itself, one point per poll.
 
 The page is served with a Content-Security-Policy that lets it run exactly its own inline
 script and style (allowed by their SHA-256, computed from the file at import, so an edit of
@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from api.admin import admin_context  # the same check as the admin API
+from api.admin_auth import admin_context  # the same check as the admin API
 from shared import fleet
 from shared.fleet import FleetSnapshot, ModelSnapshot
 from shared.latency_window import DEFAULT_WINDOW_S, LatencySummary
@@ -79,7 +79,16 @@ def snapshot_json(snapshot: FleetSnapshot, window_s: float) -> dict:
         "taken_at_s": snapshot.taken_at_s,
         "window_s": window_s,
         "models": [_model_json(snapshot, snap) for snap in snapshot.models.values()],
+        # Under `llmfleet up`: the processes it supervises, with their restarts.
+        "processes": [
+            {**asdict(p), "up_for_s": _up_for_s(snapshot, p.up_since_ts)}
+            for p in snapshot.processes
+        ],
     }
+
+
+def _up_for_s(snapshot: FleetSnapshot, up_since_ts: float | None) -> float | None:
+    return None if up_since_ts is None else max(0.0, snapshot.taken_at_s - up_since_ts)
 
 
 def _model_json(snapshot: FleetSnapshot, snap: ModelSnapshot) -> dict:
@@ -93,6 +102,8 @@ def _model_json(snapshot: FleetSnapshot, snap: ModelSnapshot) -> dict:
     ]
     return {
         "model": snap.model,
+        "version": snap.version,
+        "name": snap.name,  # `model@version`
         "kv_cache_usage": snap.kv_cache_usage,
         "batch_occupancy": snap.batch_occupancy,
         "num_queued": snap.num_queued,

@@ -73,3 +73,14 @@ def model_not_found(model: str) -> APIError:
 
 def not_found(message: str) -> APIError:
     return APIError(404, message, code="not_found")
+
+
+def shutting_down() -> APIError:
+    """503: this API process is shutting down (`api/shutdown.py`); another replica serves."""
+    return APIError(
+        503,
+        "This API replica is shutting down; send the request again (to another replica).",
+        type="server_error",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )

@@ -1,9 +1,8 @@
 """Caps on resume streams (`GET /v1/requests/{id}/events`): at most
 `max_num_resume_streams_per_request` open at once on one request and
 `max_num_resume_streams_per_tenant` over all of a tenant's requests; one more gets 429 with
-`Retry-After`. Each open stream holds a Redis pub/sub connection and a socket in the API, so
-without a cap one client could exhaust both (400 streams on one request once took the API
-from 258 to 751 file descriptors).
+`Retry-After`. Each open stream holds a socket and a buffer of events in the API, so without
+a cap one client could exhaust the API's file descriptors and memory.
 
 Counted in Redis, not in the API process: a tenant's streams land on any replica (and on any
 of an API's uvicorn worker processes), and the cap must hold for the platform, as the

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from api import admission, broker, resume_slots
 from api.auth import authenticate
 from api.context import ApiContext
-from api.errors import bad_request, not_found
+from api.errors import bad_request, not_found, shutting_down
 from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body, read_body
 from api.streaming import SubscriptionStream, chunk_format, collect_while_connected
 from shared import deployments, quota, usage
@@ -35,8 +35,17 @@ def _ctx(request: Request) -> ApiContext:
     return request.state.ctx
 
 
-async def completions(request: Request) -> Response:
+def _serving_ctx(request: Request) -> ApiContext:
+    """The context, for a route that starts a request or a stream: refused (503) once the
+    process is shutting down (`api/shutdown.py`)."""
     ctx = _ctx(request)
+    if ctx.shutdown.is_draining:
+        raise shutting_down()
+    return ctx
+
+
+async def completions(request: Request) -> Response:
+    ctx = _serving_ctx(request)
     principal = await authenticate(request, ctx)
     body = parse_body(CompletionBody, await read_body(request, ctx.settings.max_request_body_bytes))
     queued = await admission.admit_completion(ctx, principal, body)
@@ -44,7 +53,7 @@ async def completions(request: Request) -> Response:
 
 
 async def chat_completions(request: Request) -> Response:
-    ctx = _ctx(request)
+    ctx = _serving_ctx(request)
     principal = await authenticate(request, ctx)
     body = parse_body(ChatBody, await read_body(request, ctx.settings.max_request_body_bytes))
     queued = await admission.admit_chat(ctx, principal, body)
@@ -56,21 +65,25 @@ async def _respond(
 ) -> Response:
     subscription = await _submit(ctx, queued)
     fmt = chunk_format(subscription, body.model, body.include_usage)
-    headers = {"X-Request-Id": queued.request_id}
+    # Which version of the model serves it: the stable one, a rollout's canary, or a pin.
+    headers = {"X-Request-Id": queued.request_id, "X-Model-Version": queued.version}
     if body.stream:
         return SubscriptionStream(
-            subscription, fmt, headers=headers, ping=ctx.settings.stream_keepalive_s
+            subscription,
+            fmt,
+            send_timeout_s=ctx.settings.stream_send_timeout_s,
+            headers=headers,
+            ping=ctx.settings.stream_keepalive_s,
         )
     answer = await collect_while_connected(subscription, fmt, request.receive)
     return JSONResponse(answer, headers=headers)
 
 
 async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription:
-    """Enqueue an admitted request; if that fails, give back the slots and tokens it took."""
+    """Enqueue an admitted request; if that fails (the broker unreachable or out of memory,
+    this process shutting down), give back the slots and tokens it took."""
     try:
-        return await broker.submit(
-            ctx.redis, ctx.journal, queued, broker.StreamTiming.of(ctx.settings)
-        )
+        return await ctx.broker.submit(queued)
     except BaseException:
         # Shielded: a handler cancelled mid-enqueue must still release its admission.
         with anyio.CancelScope(shield=True):
@@ -85,7 +98,7 @@ async def _submit(ctx: ApiContext, queued: QueuedRequest) -> broker.Subscription
 async def request_events(request: Request) -> Response:
     """Resume a request's stream: the events after `Last-Event-ID` (header, or the
     `last_event_id` query parameter), then the live ones, on any API replica."""
-    ctx = _ctx(request)
+    ctx = _serving_ctx(request)
     principal = await authenticate(request, ctx)
     request_id = request.path_params["request_id"]
     if (last_event_id := request.headers.get("last-event-id")) is not None:
@@ -99,8 +112,7 @@ async def request_events(request: Request) -> Response:
     limits = resume_slots.ResumeLimits.of(ctx.settings)
     slot = await resume_slots.acquire(ctx.redis, limits, request_id, principal.tenant_id)
     try:
-        timing = broker.StreamTiming.of(ctx.settings)
-        subscription = await broker.resume(ctx.redis, ctx.journal, info, next_seq, timing)
+        subscription = await ctx.broker.resume(info, next_seq)
     except BaseException:
         await slot.release()
         raise
@@ -109,6 +121,7 @@ async def request_events(request: Request) -> Response:
     return SubscriptionStream(
         subscription,
         fmt,
+        send_timeout_s=ctx.settings.stream_send_timeout_s,
         holding=slot,
         headers={"X-Request-Id": request_id},
         ping=ctx.settings.stream_keepalive_s,
@@ -127,9 +140,15 @@ async def list_models(request: Request) -> Response:
     ctx = _ctx(request)
     await authenticate(request, ctx)
     rows = await run_in_threadpool(deployments.list_active, ctx.engine)
+    stable_ids = {
+        deployments.stable_among([r for r in rows if r.model_id == model_id]).id
+        for model_id in {r.model_id for r in rows}
+    }
+    # A model's stable version under its id; every other version under `id@version`, the
+    # name that pins it.
     data = [
         {
-            "id": row.model_id,
+            "id": row.model_id if row.id in stable_ids else row.name,
             "object": "model",
             "created": int(row.created_at.timestamp()),
             "owned_by": "llmfleet",
@@ -207,8 +226,19 @@ def _day_param(request: Request, name: str) -> date:
 
 
 async def healthz(request: Request) -> Response:
+    """Liveness (and Redis reachability): 200 while the process runs, shutting down or not."""
     await _ctx(request).redis.ping()
     return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Readiness: 503 from the moment the process starts shutting down, so that a load
+    balancer sends it nothing more while its open streams finish."""
+    ctx = _ctx(request)
+    if ctx.shutdown.is_draining:
+        return JSONResponse({"status": "shutting_down"}, status_code=503)
+    await ctx.redis.ping()
+    return JSONResponse({"status": "ready"})
 
 
 routes = [
@@ -219,4 +249,5 @@ routes = [
     Route("/v1/requests/{request_id}/usage", request_usage, methods=["GET"]),
     Route("/v1/requests/{request_id}/events", request_events, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
+    Route("/readyz", readyz, methods=["GET"]),
 ]

@@ -68,6 +68,9 @@ class GenerationBody(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     ignore_eos: bool = False  # extension, for benchmarks: generate exactly max_tokens
+    # OpenAI's end-user id. Here it only keeps one user's requests on one version of the model
+    # during a rollout sticky by user (`shared/routing.py`); it is not stored.
+    user: str | None = Field(default=None, max_length=256)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=16)  # vLLM's
     n: Any = 1
     logit_bias: Any = None

@@ -2,6 +2,15 @@
 
 The worker's final event carries the last text delta together with the finish reason, so
 the last content chunk has `finish_reason` without holding any chunk back.
+
+A stream this process interrupts (`api/broker.py` `Interruption`) ends with an error event
+of its own, between two events, then `[DONE]`:
+
+- `api_shutdown` (`api/shutdown.py`): the request runs on; the event names it and the last
+  event delivered, for `GET /v1/requests/{id}/events` on another replica;
+- `stream_stalled`: the client took nothing for `stream_send_timeout_s` (its socket did not
+  drain). Its request is cancelled at once, as for a client that left, and the error event
+  and `[DONE]` follow whatever the socket still holds, should the client ever read.
 """
 
 from __future__ import annotations
@@ -9,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 import anyio
 from sse_starlette import EventSourceResponse
+from sse_starlette.event import ServerSentEvent
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from api.broker import Subscription
+from api.broker import Interruption, Subscription
 from api.errors import APIError
 from shared.protocol import ErrorCode, ErrorEvent, FinalEvent, TokenEvent, Usage
+
+log = logging.getLogger("llmfleet.api")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,53 +83,114 @@ def chunk_format(subscription: Subscription, model: str, include_usage: bool) ->
     )
 
 
-async def sse_events(subscription: Subscription, fmt: ChunkFormat) -> AsyncIterator[dict]:
-    """SSE events for sse-starlette; always ends with `[DONE]`, after an error event if one came.
+async def sse_events(subscription: Subscription, fmt: ChunkFormat) -> AsyncIterator[bytes]:
+    """SSE events for sse-starlette, encoded; always ends with `[DONE]`, after an error event
+    if one came. What one worker event makes goes out in one write, and the last event's
+    with `[DONE]` (a final event with usage is three SSE events: one write, not three).
 
     The last SSE event made from each worker event carries its `seq` as `id:`, so a client
     that reconnects with `Last-Event-ID` resumes right after it (`GET
     /v1/requests/{id}/events`)."""
     is_first = subscription.next_seq == 0
+    last = b""
     try:
         async for event in subscription.events():
             chunks = _chunks(event, fmt, is_first=is_first)
-            for i, data in enumerate(chunks):
-                is_last = i == len(chunks) - 1
-                yield {"data": json.dumps(data), **({"id": str(event.seq)} if is_last else {})}
             is_first = is_first and not chunks
-            if isinstance(event, ErrorEvent):
-                break
-        yield {"data": "[DONE]"}
+            encoded = _encoded(chunks, event.seq)
+            if isinstance(event, TokenEvent):
+                if encoded:
+                    yield encoded
+                continue
+            last = encoded
+            break
+        # Its events are over: it listens no more, whatever the last writes below take.
+        await subscription.close()
+        if not subscription.is_finished and subscription.interruption is not None:
+            last += _encoded([_interruption_json(subscription)], None)
+        yield last + DONE
     finally:
         await subscription.close()
+
+
+DONE = ServerSentEvent(data="[DONE]").encode()
+
+
+def _encoded(chunks: list[dict], seq: int | None) -> bytes:
+    """The chunks as SSE events, the last one with `id: seq`."""
+    return b"".join(
+        ServerSentEvent(
+            data=json.dumps(chunk),
+            id=str(seq) if i == len(chunks) - 1 and seq is not None else None,
+        ).encode()
+        for i, chunk in enumerate(chunks)
+    )
 
 
 class SubscriptionStream(EventSourceResponse):
     """The SSE response of one subscription, which it closes however the response ends:
     `sse_events` closes it too, but only once it has started, and a client that leaves at
     once can end the response before the generator ever runs (an async generator never
-    started runs no `finally`: the pub/sub connection stayed open and the request ran to
-    its end). `holding`, if given, is entered for the response's whole life (a resume
-    stream's slot)."""
+    started runs no `finally`: the subscription stayed open and the request ran to its
+    end). `holding`, if given, is entered for the response's whole life (a resume stream's
+    slot). A send its client does not take within `send_timeout_s` stalls the stream
+    (`_StallWatch`)."""
 
     def __init__(
         self,
         subscription: Subscription,
         fmt: ChunkFormat,
         *,
+        send_timeout_s: float,
         holding: AbstractAsyncContextManager | None = None,
         **kwargs,
     ) -> None:
         super().__init__(sse_events(subscription, fmt), **kwargs)
         self.subscription = subscription
+        self.send_timeout_s = send_timeout_s
         self.holding = holding
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watched = _StallWatch(send, self.send_timeout_s, self._stalled)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self.subscription.close)
             if self.holding is not None:
                 await stack.enter_async_context(self.holding)
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, watched)
+
+    async def _stalled(self) -> None:
+        """Its client takes nothing: cancel the request now (the worker stops, the usage
+        counts what was computed), and end the stream at its next event's boundary."""
+        log.info(
+            "stream of %s stalled: its client took nothing for %.0f s; cancelling it",
+            self.subscription.info.request_id,
+            self.send_timeout_s,
+        )
+        self.subscription.interrupt(Interruption.STREAM_STALLED)
+        await self.subscription.close()
+
+
+@dataclass
+class _StallWatch:
+    """`send`, watched: the first message not taken within `timeout_s` (uvicorn waits for
+    the socket to drain before it writes anything, so nothing of it is written yet) calls
+    `on_stall`, and is then sent all the same, however long that takes, as is everything
+    after it: no event is cut or lost, and the stream's last events wait for the client."""
+
+    send: Send
+    timeout_s: float
+    on_stall: Callable[[], Awaitable[None]]
+    is_stalled: bool = False
+
+    async def __call__(self, message: Message) -> None:
+        if not self.is_stalled:
+            with anyio.move_on_after(self.timeout_s) as scope:
+                await self.send(message)
+            if not scope.cancelled_caught:
+                return
+            self.is_stalled = True
+            await self.on_stall()
+        await self.send(message)
 
 
 def _chunks(
@@ -146,6 +220,14 @@ async def collect(subscription: Subscription, fmt: ChunkFormat) -> dict:
                 return _completion_body(fmt, "".join(parts), event)
     finally:
         await subscription.close()
+    if subscription.interruption is Interruption.API_SHUTDOWN:
+        raise APIError(
+            503,
+            _interruption_message(subscription),
+            type="server_error",
+            code=Interruption.API_SHUTDOWN,
+            headers={"X-Request-Id": subscription.info.request_id},
+        )
     raise APIError(500, "The request ended without a result.", type="server_error")
 
 
@@ -209,6 +291,38 @@ def _error_status(event: ErrorEvent) -> tuple[int, str]:
     if event.code in REQUEST_ERROR_CODES:
         return 400, "invalid_request_error"
     return 500, "server_error"
+
+
+def _interruption_json(subscription: Subscription) -> dict:
+    """The error event of a stream this process interrupted, with what a resume needs."""
+    reason = subscription.interruption
+    last_event_id = subscription.next_seq - 1
+    return {
+        "error": {
+            "message": _interruption_message(subscription),
+            "type": "server_error",
+            "param": None,
+            "code": reason,
+            "request_id": subscription.info.request_id,
+            "last_event_id": str(last_event_id) if last_event_id >= 0 else None,
+        }
+    }
+
+
+def _interruption_message(subscription: Subscription) -> str:
+    request_id = subscription.info.request_id
+    if subscription.interruption is Interruption.STREAM_STALLED:
+        return (
+            f"The stream of request {request_id} was ended: its client took nothing for too "
+            "long. The request was cancelled."
+        )
+    resume = f"GET /v1/requests/{request_id}/events"
+    if subscription.next_seq > 0:
+        resume += f" with Last-Event-ID: {subscription.next_seq - 1}"
+    return (
+        f"This API replica is shutting down. Request {request_id} goes on: resume it on "
+        f"another replica with {resume}."
+    )
 
 
 def _error_json(event: ErrorEvent) -> dict:

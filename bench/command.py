@@ -4,10 +4,17 @@ directly with one seeded workload, and report TTFT, TPOT, ITL, E2E, throughput a
 - `--url URL --api-key KEY`: over HTTP/SSE, open loop (the full stack).
 - `--engine-direct`: the same workload straight into an in-process engine (no HTTP/Redis).
 - both: also prints full stack / engine-direct throughput.
+- `--peer-url URL`: the same workload against a peer server (vLLM) in the same invocation.
 - `--compare`: one-at-a-time, static and continuous batching, engine-direct, on the same
   workload in one invocation, with the ratios.
+- `--step-times`: the runner's step latency on fixed step shapes, per forward.
 - `--scenario noisy-neighbour|weighted`: multi-tenant fairness, engine-direct, fair queuing
   against FIFO (bench/scenarios.py).
+- `--pool-spike`: the shared pool, with and without a shared worker, while one model's
+  traffic spikes (bench/pool_spike.py).
+- `--platform-load`: the platform's own cost, on a platform it starts with echo workers (no
+  model): concurrent streams per API process, memory per stream, Redis connections, API CPU
+  per token, added ITL, admissions per second (bench/platform_load.py).
 """
 
 from __future__ import annotations
@@ -17,16 +24,20 @@ import dataclasses
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
+from itertools import pairwise
 from typing import Annotated
 
 import typer
 
+from bench.load_plan import LoadPlan, SpikePlan
 from worker.config import DEFAULT_ENGINE, EngineConfig
 
 # Heavy modules (numpy, matplotlib, torch) are imported inside the functions, so that every
 # other `llmfleet` command starts fast.
 
 COMPARED_MODES = ("one", "static", "continuous")
+PLATFORM_LOAD = LoadPlan()  # the defaults of --platform-load
+POOL_SPIKE = SpikePlan()  # the defaults of --pool-spike
 
 
 def bench(
@@ -34,6 +45,18 @@ def bench(
     api_key: Annotated[str, typer.Option(envvar="LLMFLEET_API_KEY")] = "none",
     model: Annotated[str, typer.Option(help="Model name sent over HTTP.")] = "smollm2-135m",
     name: Annotated[str | None, typer.Option(help="Label of the HTTP run (e.g. vllm).")] = None,
+    peer_url: Annotated[
+        str | None,
+        typer.Option(
+            help="A second OpenAI-compatible server (e.g. vLLM) given the same workload "
+            "after --url, in the same invocation; both are reported side by side."
+        ),
+    ] = None,
+    peer_name: Annotated[str, typer.Option(help="Label of the --peer-url run.")] = "peer",
+    peer_model: Annotated[
+        str | None, typer.Option(help="Model name sent to the peer (default: --model).")
+    ] = None,
+    peer_api_key: Annotated[str, typer.Option(envvar="PEER_API_KEY")] = "none",
     redis_url: Annotated[
         str | None, typer.Option(help="llmfleet's Redis: sample KV-cache usage from heartbeats.")
     ] = None,
@@ -46,6 +69,16 @@ def bench(
     ] = False,
     roofline_batch: Annotated[list[int] | None, typer.Option()] = None,
     roofline_context: int = 256,
+    step_times: Annotated[
+        bool,
+        typer.Option(
+            help="Runner step latency on fixed step shapes, one column per --step-forward "
+            "(bench/step_times.py)."
+        ),
+    ] = False,
+    step_forward: Annotated[
+        list[str] | None, typer.Option(help="--step-times: forwards to compare (hf, own).")
+    ] = None,
     scenario: Annotated[
         str | None,
         typer.Option(
@@ -99,6 +132,9 @@ def bench(
     output_tokens_max: int = 512,
     long_prompt_fraction: float = 0.0,
     long_prompt_tokens: int = 2048,
+    shared_prefix_tokens: Annotated[
+        int, typer.Option(help="Every prompt starts with the same this many tokens.")
+    ] = 0,
     max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")] = None,
     slo_ttft_s: float = 2.0,
     slo_tpot_s: float = 0.2,
@@ -107,6 +143,8 @@ def bench(
     max_batch_size: int = DEFAULT_ENGINE.max_batch_size,
     max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs,
     max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
+    max_num_prefill_tokens: int | None = DEFAULT_ENGINE.max_num_prefill_tokens,
+    itl_target_ms: float | None = DEFAULT_ENGINE.itl_target_ms,
     kv_cache_gb: float | None = DEFAULT_ENGINE.kv_cache_gb,
     quantum_tokens: Annotated[
         int, typer.Option(help="Scenarios: fair queuing's tokens per round per unit of weight.")
@@ -115,20 +153,132 @@ def bench(
         int | None, typer.Option(help="Scenarios: fair queuing's burst allowance (4 quanta).")
     ] = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16")] = "auto",
+    forward: Annotated[
+        str, typer.Option(help="Engine-direct runs: auto | own | hf (worker/config.py).")
+    ] = DEFAULT_ENGINE.forward,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-caching/--no-prefix-caching",
+            help="Engine-direct and scenario runs: reuse a tenant's own cached KV blocks of equal tokens.",
+        ),
+    ] = DEFAULT_ENGINE.prefix_caching,
+    platform_load: Annotated[
+        bool,
+        typer.Option(
+            help="The platform's own cost: a platform of its own with echo workers (no model), "
+            "streams held by one API process, its memory, Redis connections and CPU per "
+            "token, the ITL it adds, admissions per second (bench/platform_load.py)."
+        ),
+    ] = False,
+    load_streams: Annotated[
+        int, typer.Option(help="--platform-load: concurrent streams to reach.")
+    ] = PLATFORM_LOAD.num_streams,
+    load_tokens_per_s: Annotated[
+        float, typer.Option(help="--platform-load: each stream's tokens a second.")
+    ] = PLATFORM_LOAD.tokens_per_s,
+    load_step_ms: Annotated[
+        float,
+        typer.Option(
+            help="--platform-load: the streams' echo worker hands out tokens this often, to "
+            "the streams whose turn it is."
+        ),
+    ] = PLATFORM_LOAD.step_ms,
+    load_ramp_per_s: Annotated[
+        float, typer.Option(help="--platform-load: streams opened a second.")
+    ] = PLATFORM_LOAD.ramp_per_s,
+    load_hold_s: Annotated[
+        float, typer.Option(help="--platform-load: seconds all streams are open together.")
+    ] = PLATFORM_LOAD.hold_s,
+    load_burst_requests: Annotated[
+        int, typer.Option(help="--platform-load: requests (max_tokens 1) of the admission burst.")
+    ] = PLATFORM_LOAD.num_burst_requests,
+    load_burst_concurrency: Annotated[
+        int, typer.Option(help="--platform-load: the burst's requests in flight at once.")
+    ] = PLATFORM_LOAD.burst_concurrency,
+    load_client_processes: Annotated[
+        int, typer.Option(help="--platform-load: load-generating processes.")
+    ] = PLATFORM_LOAD.num_client_processes,
+    load_sample_interval_s: Annotated[
+        float, typer.Option(help="--platform-load: seconds between samples of the API process.")
+    ] = PLATFORM_LOAD.sample_interval_s,
+    pool_spike: Annotated[
+        bool,
+        typer.Option(
+            "--pool-spike",
+            help="Two models with a dedicated echo worker each, with and without a shared "
+            "worker: TTFT of both while one model's traffic spikes (bench/pool_spike.py).",
+        ),
+    ] = False,
+    spike_rate_per_s: Annotated[
+        float, typer.Option(help="--pool-spike: each model's requests a second before it.")
+    ] = POOL_SPIKE.rate_per_s,
+    spike_factor: Annotated[
+        float, typer.Option(help="--pool-spike: A's rate during the spike, times the rate.")
+    ] = POOL_SPIKE.spike_factor,
+    spike_warmup_s: Annotated[
+        float, typer.Option(help="--pool-spike: seconds before the spike.")
+    ] = POOL_SPIKE.warmup_s,
+    spike_s: Annotated[float, typer.Option(help="--pool-spike: the spike's seconds.")] = (
+        POOL_SPIKE.spike_s
+    ),
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="Engine-direct, scenario and roofline runs on a GPU: decode steps replay "
+            "CUDA graphs (ignored on the CPU).",
+        ),
+    ] = DEFAULT_ENGINE.cuda_graphs,
     json_path: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG here.")] = None,
 ) -> None:
     """Benchmark llmfleet (or a peer) with an open-loop, seeded workload."""
+    if pool_spike:
+        spike = SpikePlan(
+            rate_per_s=spike_rate_per_s,
+            spike_factor=spike_factor,
+            warmup_s=spike_warmup_s,
+            spike_s=spike_s,
+            seed=seed,
+            source=source,
+        )
+        _pool_spike(spike, json_path)
+        return
+    if platform_load:
+        plan = LoadPlan(
+            num_streams=load_streams,
+            tokens_per_s=load_tokens_per_s,
+            step_ms=load_step_ms,
+            ramp_per_s=load_ramp_per_s,
+            hold_s=load_hold_s,
+            num_burst_requests=load_burst_requests,
+            burst_concurrency=load_burst_concurrency,
+            num_client_processes=load_client_processes,
+            source=source,
+            sample_interval_s=load_sample_interval_s,
+        )
+        _platform_load(plan, json_path)
+        return
+    if step_times:
+        _step_times(source, dtype, step_forward or ["hf", "own"], json_path)
+        return
     if roofline:
-        _roofline(source, dtype, roofline_batch or [1, 8, 32, 64], roofline_context, json_path)
+        batch_sizes = roofline_batch or [1, 8, 32, 64]
+        _roofline(source, dtype, forward, batch_sizes, roofline_context, json_path, cuda_graphs)
         return
     if scenario:
         base = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_num_prefill_tokens=max_num_prefill_tokens,
+            itl_target_ms=itl_target_ms,
             kv_cache_gb=kv_cache_gb,
             quantum_tokens=quantum_tokens,
             burst_tokens=burst_tokens,
+            forward=forward,
+            prefix_caching=prefix_caching,
+            cuda_graphs=cuda_graphs,
         )
         args = ScenarioArgs(
             scenario,
@@ -160,6 +310,7 @@ def bench(
         output_tokens_max=output_tokens_max,
         long_prompt_fraction=long_prompt_fraction,
         long_prompt_tokens=long_prompt_tokens,
+        shared_prefix_tokens=shared_prefix_tokens,
     )
     runs: dict[str, tuple[list, float, dict]] = {}
     if url:
@@ -169,13 +320,24 @@ def bench(
             results, duration_s = asyncio.run(
                 run_http(url, api_key, model, workload, max_concurrency=max_concurrency)
             )
-        extra = _kv_stats(sampler.samples) if sampler is not None else {}
+        extra = _kv_stats(sampler.samples, sampler.waste_samples) if sampler is not None else {}
         runs[f"http:{name or model}"] = (results, duration_s, extra)
+    if peer_url:
+        results, duration_s = asyncio.run(
+            run_http(
+                peer_url,
+                peer_api_key,
+                peer_model or model,
+                workload,
+                max_concurrency=max_concurrency,
+            )
+        )
+        runs[f"http:{peer_name}"] = (results, duration_s, {})
     modes = COMPARED_MODES if compare else ((batching,) if engine_direct else ())
     if modes:
         from bench.engine_direct import run_engine
         from shared import model_source
-        from worker.engine import build_engine
+        from worker.model_engine import build_engine
         from worker.runner import loader
 
         resolved = model_source.resolve(source)
@@ -187,16 +349,21 @@ def bench(
                 max_batch_size=max_batch_size,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                max_num_prefill_tokens=max_num_prefill_tokens,
+                itl_target_ms=itl_target_ms,
                 kv_cache_gb=kv_cache_gb,
+                forward=forward,
+                prefix_caching=prefix_caching,
+                cuda_graphs=cuda_graphs,
             )
             typer.echo(f"engine-direct: {mode} ...")
             run = run_engine(
                 build_engine(loaded, config), decoder, workload, max_concurrency=max_concurrency
             )
-            extra = _kv_stats(run.kv_cache_usage) | {"num_steps": run.num_steps}
+            extra = _kv_stats(run.kv_cache_usage, run.kv_cache_waste) | {"num_steps": run.num_steps}
             runs[f"engine:{mode}"] = (run.results, run.duration_s, extra)
     if not runs:
-        raise typer.BadParameter("give --url, --engine-direct or --compare")
+        raise typer.BadParameter("give --url, --peer-url, --engine-direct or --compare")
     _report(
         runs,
         workload_args=locals(),
@@ -206,7 +373,49 @@ def bench(
     )
 
 
-def _roofline(source: str, dtype: str, batch_sizes: list[int], context: int, json_path) -> None:
+def _platform_load(plan: LoadPlan, json_path: str | None) -> None:
+    from bench import platform_load, report
+
+    result = platform_load.run(plan, echo=typer.echo)
+    typer.echo(platform_load.format_report(result))
+    if json_path:
+        report.write_json(json_path, result)
+
+
+def _pool_spike(plan: SpikePlan, json_path: str | None) -> None:
+    from bench import pool_spike, report
+
+    result = pool_spike.run(plan, echo=typer.echo)
+    typer.echo(pool_spike.format_report(result))
+    if json_path:
+        report.write_json(json_path, result)
+
+
+def _step_times(source: str, dtype: str, forwards: list[str], json_path) -> None:
+    from bench import report, step_times
+    from shared import model_source
+    from worker.runner import loader
+
+    loaded = loader.load(model_source.resolve(source), "auto", dtype)
+    typer.echo(f"dtype {loaded.model.dtype}; median ms per step")
+    typer.echo(f"{'step':34s}" + "".join(f"{name:>10s}" for name in forwards))
+    rows = step_times.measure(loaded, forwards)
+    for row in rows:
+        cells = "".join(f"{row['median_s'][name] * 1e3:10.1f}" for name in forwards)
+        typer.echo(f"{row['shape']:34s}{cells}")
+    if json_path:
+        report.write_json(json_path, {"dtype": str(loaded.model.dtype), "steps": rows})
+
+
+def _roofline(
+    source: str,
+    dtype: str,
+    forward: str,
+    batch_sizes: list[int],
+    context: int,
+    json_path,
+    cuda_graphs: bool = True,
+) -> None:
     from bench import report, roofline
     from shared import model_source
     from worker.runner import loader
@@ -214,12 +423,17 @@ def _roofline(source: str, dtype: str, batch_sizes: list[int], context: int, jso
     resolved = model_source.resolve(source)
     loaded = loader.load(resolved, "auto", dtype)
     decoder = model_source.load_tokenizer(resolved)
-    bandwidth = roofline.measure_bandwidth()
-    typer.echo(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; dtype {loaded.model.dtype}")
+    bandwidth = roofline.measure_bandwidth(loaded.device)
+    typer.echo(
+        f"measured bandwidth: {bandwidth / 1e9:.1f} GB/s on {loaded.device}; "
+        f"dtype {loaded.model.dtype}"
+    )
     typer.echo("batch  context  step ms  weights MB  KV MB  roofline ms  of roofline  tok/s")
     points = []
     for batch_size in batch_sizes:
-        point = roofline.measure_decode(loaded, decoder, batch_size, context, bandwidth)
+        point = roofline.measure_decode(
+            loaded, decoder, batch_size, context, bandwidth, forward, cuda_graphs=cuda_graphs
+        )
         points.append(point.as_dict())
         typer.echo(
             f"{batch_size:5d}  {context:7d}  {point.step_s * 1e3:7.1f}  "
@@ -295,7 +509,7 @@ def _engines(args: ScenarioArgs, simulated: str | None):
 
     if simulated is None:
         from shared import model_source
-        from worker.engine import build_engine
+        from worker.model_engine import build_engine
         from worker.runner import loader
 
         resolved = model_source.resolve(args.source)
@@ -362,10 +576,14 @@ def _echo_checks(checks: dict) -> None:
         typer.echo(f"{check}: {outcome['value']:.3f} (target {outcome['target']}): {verdict}")
 
 
-def _kv_stats(samples: list[float]) -> dict:
-    if not samples:
-        return {}
-    return {"kv_cache_usage_mean": sum(samples) / len(samples), "kv_cache_usage_max": max(samples)}
+def _kv_stats(usage: list[float], waste: list[float]) -> dict:
+    """KV-cache usage, and waste (slots in use that hold no token), mean and max."""
+    stats = {}
+    for name, samples in (("kv_cache_usage", usage), ("kv_cache_waste", waste)):
+        if samples:
+            stats[f"{name}_mean"] = sum(samples) / len(samples)
+            stats[f"{name}_max"] = max(samples)
+    return stats
 
 
 def _report(runs, *, workload_args: dict, slo: tuple[float, float], json_path, plot_path) -> None:
@@ -384,6 +602,11 @@ def _report(runs, *, workload_args: dict, slo: tuple[float, float], json_path, p
             typer.echo(
                 f"{name}: KV cache usage mean {summary['kv_cache_usage_mean']:.1%}, "
                 f"max {summary['kv_cache_usage_max']:.1%}"
+            )
+        if "kv_cache_waste_max" in summary:
+            typer.echo(
+                f"{name}: KV waste (slots in use holding no token) mean "
+                f"{summary['kv_cache_waste_mean']:.1%}, max {summary['kv_cache_waste_max']:.1%}"
             )
     if json_path:
         arguments = {
@@ -421,6 +644,10 @@ def _ratios(summaries: dict[str, dict]) -> dict[str, float]:
         for name in summaries
         if name.startswith("http:")
         for mode in COMPARED_MODES
+    ]
+    http_runs = [name for name in summaries if name.startswith("http:")]
+    pairs += [  # --url against --peer-url
+        (f"{first} / {second} (throughput)", first, second) for first, second in pairwise(http_runs)
     ]
     for label, numerator, denominator in pairs:
         top, bottom = tps(numerator), tps(denominator)

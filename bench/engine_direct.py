@@ -24,6 +24,7 @@ class EngineRun:
     results: list[RequestResult]
     duration_s: float = 0.0
     kv_cache_usage: list[float] = field(default_factory=list)  # one sample per step
+    kv_cache_waste: list[float] = field(default_factory=list)  # per step with blocks in use
     num_steps: int = 0
 
 
@@ -87,8 +88,11 @@ class _Driver:
         outputs = self.engine.step()
         now = self.clock.now()
         self.run.num_steps += 1
-        if (usage := self.engine.stats().kv_cache_usage) is not None:
-            self.run.kv_cache_usage.append(usage)
+        stats = self.engine.stats()
+        if stats.kv_cache_usage is not None:
+            self.run.kv_cache_usage.append(stats.kv_cache_usage)
+        if stats.kv_cache_waste is not None:
+            self.run.kv_cache_waste.append(stats.kv_cache_waste)
         for output in outputs:
             self.record(output, now)
 

@@ -152,10 +152,16 @@ def _worker_args(run: Run, index: int, ids: dict[str, str], base, dtype: str) ->
         "--queueing", run.queueing, "--fairness-scope", run.fairness_scope,
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-        "--quantum-tokens", str(config.quantum_tokens),
+        "--quantum-tokens", str(config.quantum_tokens), "--forward", config.forward,
     ]  # fmt: skip
     if config.burst_tokens is not None:
         args += ["--burst-tokens", str(config.burst_tokens)]
+    if not config.prefix_caching:
+        args.append("--no-prefix-caching")
+    if config.max_num_prefill_tokens is not None:
+        args += ["--max-num-prefill-tokens", str(config.max_num_prefill_tokens)]
+    if config.itl_target_ms is not None:
+        args += ["--itl-target-ms", str(config.itl_target_ms)]
     if config.num_kv_blocks is not None:
         args += ["--num-kv-blocks", str(config.num_kv_blocks)]
     elif config.kv_cache_gb is not None:
@@ -170,7 +176,7 @@ def _wait_ready(settings: Settings, num_workers: int, stack: LocalStack) -> None
     deadline = time.monotonic() + START_TIMEOUT_S
     with closing(redis.Redis.from_url(settings.redis_url)) as client:
         while time.monotonic() < deadline:
-            if any(child.poll() is not None for child in stack.children):
+            if stack.exited():
                 raise RuntimeError(f"a process exited; see the logs under {settings.home}/logs")
             if _num_ready(client) == num_workers and api_ready(settings):
                 return

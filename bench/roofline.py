@@ -2,7 +2,7 @@
 
 A decode step must read every weight once and every cached key and value of every sequence
 once, so its floor is (weight bytes + KV bytes read) / memory bandwidth. This measures the
-bandwidth (a large tensor reduction), times steady decode steps of the continuous engine at
+bandwidth (a large tensor reduction on the CPU, a device copy on a GPU), times steady decode steps of the continuous engine at
 several batch sizes, and reports the fraction of the roofline each step reaches.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from shared.protocol import QueuedRequest, SamplingParams
 from worker.config import EngineConfig
-from worker.engine import build_engine
+from worker.model_engine import build_engine
 from worker.runner.loader import LoadedModel
 from worker.runner.model_runner import kv_bytes_per_token
 from worker.sequence import Sequence
@@ -48,8 +48,12 @@ class RooflinePoint:
         }
 
 
-def measure_bandwidth(num_repeats: int = 8) -> float:
-    """Read bandwidth in bytes/s: summing a tensor far larger than any cache."""
+def measure_bandwidth(device: torch.device | None = None, num_repeats: int = 8) -> float:
+    """Memory bandwidth in bytes/s. On the CPU, read bandwidth: summing a tensor far larger
+    than any cache. On a GPU, copying one (each byte read once and written once, both
+    counted), timed by CUDA events."""
+    if device is not None and device.type == "cuda":
+        return _device_copy_bandwidth(device, num_repeats)
     probe = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32)
     probe.sum()
     start = time.perf_counter()
@@ -58,18 +62,37 @@ def measure_bandwidth(num_repeats: int = 8) -> float:
     return num_repeats * BANDWIDTH_PROBE_BYTES / (time.perf_counter() - start)
 
 
+def _device_copy_bandwidth(device: torch.device, num_repeats: int) -> float:
+    source = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(num_repeats):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    elapsed_s = start.elapsed_time(end) / 1e3
+    return 2 * num_repeats * BANDWIDTH_PROBE_BYTES / elapsed_s
+
+
 def measure_decode(
     loaded: LoadedModel,
     decoder,
     batch_size: int,
     context_tokens: int,
     bandwidth: float,
+    forward: str = "auto",
     num_steps: int = 10,
+    cuda_graphs: bool = True,
 ) -> RooflinePoint:
-    engine = build_engine(
-        loaded,
-        EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=batch_size * context_tokens),
+    config = EngineConfig(
+        max_num_seqs=batch_size,
+        max_num_batched_tokens=batch_size * context_tokens,
+        forward=forward,
+        cuda_graphs=cuda_graphs,
     )
+    engine = build_engine(loaded, config)
     for i in range(batch_size):
         engine.add(_sequence(i, context_tokens, decoder))
     engine.step()  # the prefill of every sequence, in one step

@@ -184,13 +184,15 @@ def burst(
     ttft_ratio_max: float | None,
     *,
     fills_kv: bool,
+    burst_size: int = BURST_SIZE,
 ) -> Scenario:
-    """A sends `BURST_SIZE` requests at once; from 0.5 s, B (same tier and weight) sends one
-    short request every 1 / `rate_per_s` seconds for `duration_s`. `burst-fill`: A's
-    requests all alike (32-token prompts, 128 tokens out), so they fill every place of the
-    batch and finish together. `burst-kv`: A's are longer (prompts 64-256, 128-384 out)
-    and the KV pool holds 4,096 tokens, far below what A's running requests need, so the
-    worker preempts all the time while B arrives."""
+    """A sends `burst_size` requests at once (a GPU's check sends more: `bench/gpu_check.py`);
+    from 0.5 s, B (same tier and weight) sends one short request every 1 / `rate_per_s`
+    seconds for `duration_s`. `burst-fill`: A's requests all alike (32-token prompts, 128
+    tokens out), so they fill every place of the batch and finish together. `burst-kv`:
+    A's are longer (prompts 64-256, 128-384 out) and the KV pool holds 4,096 tokens, far
+    below what A's running requests need, so the worker preempts all the time while B
+    arrives."""
     rng = np.random.default_rng(seed)
 
     def request(index: int, tenant: str, arrival_s: float, num_prompt: int, num_out: int):
@@ -198,13 +200,13 @@ def burst(
         return RequestSpec(index, arrival_s, prompt, num_out, tenant)
 
     if fills_kv:
-        num_prompt = rng.integers(64, 256, BURST_SIZE)
-        sizes = list(zip(num_prompt, rng.integers(128, 384, BURST_SIZE), strict=True))
+        num_prompt = rng.integers(64, 256, burst_size)
+        sizes = list(zip(num_prompt, rng.integers(128, 384, burst_size), strict=True))
     else:
-        sizes = [(32, 128)] * BURST_SIZE
+        sizes = [(32, 128)] * burst_size
     flood = [request(i, "A", 0.0, int(p), int(o)) for i, (p, o) in enumerate(sizes)]
     num_light = max(1, round(duration_s * rate_per_s))
-    light = [request(BURST_SIZE + i, "B", 0.5 + i / rate_per_s, 32, 32) for i in range(num_light)]
+    light = [request(burst_size + i, "B", 0.5 + i / rate_per_s, 32, 32) for i in range(num_light)]
     engine = {"num_kv_blocks": BURST_KV_BLOCKS} if fills_kv else {}
     name = "burst-kv" if fills_kv else "burst-fill"
     return Scenario(

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 from worker.config import EngineConfig
 from worker.engine import ContinuousBatchingEngine, build_scheduler
-from worker.runner.sampler import SamplingFailure
-from worker.step_batch import StepBatch
+from worker.step_batch import SamplingFailure, StepBatch
 
 NUM_KV_BLOCKS = 8192  # 131k tokens of 16, unless a run sets its pool (burst-kv)
 

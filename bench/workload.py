@@ -47,6 +47,7 @@ def make_workload(
     output_tokens_max: int = 512,
     long_prompt_fraction: float = 0.0,
     long_prompt_tokens: int = 2048,
+    shared_prefix_tokens: int = 0,
     vocab_min: int = 1000,
     vocab_max: int = 20000,
 ) -> list[RequestSpec]:
@@ -58,6 +59,8 @@ def make_workload(
     `long_prompt_fraction` a request gets exactly `long_prompt_tokens`. Output lengths are
     exponential with mean `output_tokens_mean`, rounded, clamped to [1, output_tokens_max].
     Prompt token ids are uniform in [vocab_min, vocab_max) (half-open, like `range`).
+    With `shared_prefix_tokens`, every prompt starts with the same that many tokens (a
+    system prompt) before its own; the rest of the workload is as without it.
     """
     _check_args(num_requests, arrival, prompt_tokens_min, prompt_tokens_max, vocab_min, vocab_max)
     if not 0.0 <= long_prompt_fraction <= 1.0:
@@ -73,13 +76,18 @@ def make_workload(
     )
     num_prompt_tokens = np.where(is_long, long_prompt_tokens, num_prompt_tokens)
     max_tokens = _output_lengths(rng, num_requests, output_tokens_mean, output_tokens_max)
+    prompts = [
+        rng.integers(vocab_min, vocab_max, size=int(num_prompt_tokens[i])).tolist()
+        for i in range(num_requests)
+    ]
+    if shared_prefix_tokens > 0:  # drawn last: the other draws stay as without it
+        prefix = rng.integers(vocab_min, vocab_max, size=shared_prefix_tokens).tolist()
+        prompts = [prefix + prompt for prompt in prompts]
     return [
         RequestSpec(
             index=i,
             arrival_s=float(arrivals_s[i]),
-            prompt_token_ids=rng.integers(
-                vocab_min, vocab_max, size=int(num_prompt_tokens[i])
-            ).tolist(),
+            prompt_token_ids=prompts[i],
             max_tokens=int(max_tokens[i]),
         )
         for i in range(num_requests)

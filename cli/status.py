@@ -1,8 +1,10 @@
 """`llmfleet status`: the fleet snapshot (`shared/fleet.py`) as tables in the terminal.
 
-The figures are the ones `/dashboard` draws and the API's `/metrics` exports: per model the
-KV-cache usage, batch occupancy and TTFT/ITL p50/p99 over the last window; the live workers;
-and the queue state of every tenant stream (entries, pending, not yet delivered, consumers).
+The figures are the ones `/dashboard` draws and the API's `/metrics` exports: per model
+version (`model@version`) the KV-cache usage, batch occupancy and TTFT/ITL p50/p99 over the
+last window; the live workers; the queue state of every tenant stream (entries, pending, not
+yet delivered, consumers); and, under `llmfleet up`, the processes it supervises with their
+restarts and last exit.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def print_status(
     console.print(models_table(snapshot, window_s))
     console.print(workers_table(snapshot))
     console.print(queues_table(snapshot))
+    if snapshot.processes:
+        console.print(processes_table(snapshot))
 
 
 async def _read(url: str, models: list[str], tenant_names, window_s: float) -> FleetSnapshot:
@@ -70,7 +74,7 @@ def models_table(snapshot: FleetSnapshot, window_s: float) -> Table:
 
 def workers_table(snapshot: FleetSnapshot) -> Table:
     table = Table(title="Workers (heartbeats)", title_justify="left")
-    for name in ["WORKER", "MODEL", "STATE"]:
+    for name in ["WORKER", "POOL", "MODEL", "STATE"]:
         table.add_column(name)
     for name in ["RUNNING", "WAITING", "MAX SEQS", "KV CACHE", "PREEMPTIONS", "HEARTBEAT AGE"]:
         table.add_column(name, justify="right")
@@ -78,7 +82,8 @@ def workers_table(snapshot: FleetSnapshot) -> Table:
         for w in snap.workers:
             table.add_row(
                 w.worker_id,
-                w.model,
+                _pool(w),
+                w.deployment_name,
                 w.state,
                 str(w.num_running),
                 str(w.num_waiting),
@@ -88,6 +93,13 @@ def workers_table(snapshot: FleetSnapshot) -> Table:
                 f"{w.heartbeat_age_s:.1f} s",
             )
     return table
+
+
+def _pool(worker) -> str:
+    """`dedicated`, or `shared (a,b)`: the models a shared worker may serve."""
+    if worker.pool_models:
+        return f"{worker.pool} ({','.join(worker.pool_models)})"
+    return worker.pool
 
 
 def queues_table(snapshot: FleetSnapshot) -> Table:
@@ -111,6 +123,34 @@ def queues_table(snapshot: FleetSnapshot) -> Table:
                 str(q.num_consumers),
             )
     return table
+
+
+def processes_table(snapshot: FleetSnapshot) -> Table:
+    table = Table(title="Processes (supervised by `llmfleet up`)", title_justify="left")
+    for name in ["PROCESS", "STATE", "PID", "RESTARTS", "LAST EXIT", "UP FOR", "METRICS PORT"]:
+        table.add_column(
+            name, justify="left" if name in ("PROCESS", "STATE", "LAST EXIT") else "right"
+        )
+    for p in snapshot.processes:
+        up_for_s = None if p.up_since_ts is None else max(0.0, snapshot.taken_at_s - p.up_since_ts)
+        table.add_row(
+            p.name,
+            p.state,
+            "-" if p.pid is None else str(p.pid),
+            str(p.num_restarts),
+            p.last_exit or "-",
+            "-" if up_for_s is None else _duration(up_for_s),
+            "-" if p.metrics_port is None else str(p.metrics_port),
+        )
+    return table
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _percent(fraction: float | None) -> str:

@@ -142,6 +142,7 @@ def _change_tenant(name: str, **changes: object) -> None:
         raise typer.BadParameter(str(exc)) from None
     if tenant is None:
         raise typer.BadParameter(f"no tenant {name!r}")
+    _tell_the_replicas()
     _print_tenants([tenant])
 
 
@@ -198,4 +199,21 @@ def key_revoke(key_id: int) -> None:
     info = tenants.revoke_key(db(), key_id)
     if info is None:
         raise typer.BadParameter(f"no key with id {key_id}")
+    _tell_the_replicas()
     typer.echo(f"key {info.id} ({info.prefix}...) revoked at {when(info.revoked_at)}")
+
+
+def _tell_the_replicas() -> None:
+    """Move the principals' epoch, so every API replica looks the keys up again."""
+    from contextlib import closing
+
+    from shared import principals_epoch
+    from shared.redis_conn import sync_client
+
+    with closing(sync_client(get_settings().redis_url, retries=1)) as client:
+        if not principals_epoch.advance_sync(client):
+            typer.echo(
+                "warning: Redis is unreachable; API replicas may accept the old key or "
+                "settings for up to a minute",
+                err=True,
+            )

@@ -1,14 +1,25 @@
 """`llmfleet up`: the whole platform on one machine, on embedded defaults.
 
 Starts the embedded Redis (unless REDIS_URL is set), prepares the database, starts the API,
-the control process and one worker as child processes (logs under `<home>/logs/`), shows
+the control process and the workers as child processes (logs under `<home>/logs/`), shows
 progress while the model loads, then prints the URL, a development API key, the admin key and
-where the metrics token is, and waits for Ctrl-C. Everything it and its children write under
+where the metrics token is. From then on it supervises the children (`cli/supervisor.py`):
+one that exits is started again with backoff, each exit and start reported on the console
+and in `<home>/logs/up.log`, and their state is published for `llmfleet status` and
+`/dashboard` (`shared/supervised.py`). Only Ctrl-C or SIGTERM stops it, and everything with
+it. A child that exits before the platform is first up fails the start instead: that is a
+configuration to fix, not a crash to ride out. Everything it and its children write under
 the home is readable by the user only (directories 0700, files 0600).
+
+The embedded Redis is supervised too: it replays its append-only file when it starts again
+(`appendfsync always`: nothing it acknowledged is lost), the workers retry their writes
+meanwhile (`LLMFLEET_BROKER_RETRY_S`) and the API answers 503 `broker_unavailable`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -16,6 +27,8 @@ import sys
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import BinaryIO
 
 import httpx
 import redis
@@ -23,7 +36,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli.redis_server import EmbeddedRedis
-from shared import deployments, keys, tenants
+from cli.supervisor import Child, Supervisor
+from shared import deployments, keys, supervised, tenants
 from shared.db import create_schema, make_engine
 from shared.model_source import DEFAULT_MODEL_ID
 from shared.private_files import PRIVATE_UMASK, make_private_dir, open_private_log, touch_private
@@ -31,51 +45,99 @@ from shared.settings import Settings
 
 DEV_TENANT = "dev"
 START_TIMEOUT_S = 600
+SUPERVISE_INTERVAL_S = 0.5
+# Stopping: the workers drain for `worker_drain_timeout_s`, then end what is left; this much
+# more before they are killed.
+STOP_MARGIN_S = 10.0
+# `--` and what follows go to every worker; these `up` sets itself.
+OWN_WORKER_OPTIONS = ("--model", "--metrics-port", "--batching")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlan:
+    """The local workers: how many, their first metrics port, what else they get."""
+
+    num_workers: int
+    first_metrics_port: int  # worker i listens on this plus i; 0: none
+    extra_args: tuple[str, ...] = ()
+
+    def metrics_port(self, index: int) -> int:
+        return self.first_metrics_port + index if self.first_metrics_port else 0
+
+
+def check_worker_args(args: list[str]) -> tuple[str, ...]:
+    for arg in args:
+        if arg.split("=")[0] in OWN_WORKER_OPTIONS:
+            raise SystemExit(f"{arg.split('=')[0]} is set by `llmfleet up` itself")
+    return tuple(args)
 
 
 @dataclass
 class LocalStack:
     settings: Settings
     console: Console = field(default_factory=Console)
-    children: list[subprocess.Popen] = field(default_factory=list)
-    redis_server: EmbeddedRedis | None = None
+    supervisor: Supervisor = field(init=False)
+    redis_child: Child | None = None
     env_overrides: dict[str, str] = field(default_factory=dict)  # for every child
+    _log: BinaryIO | None = None
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(self.report)
+
+    def report(self, message: str) -> None:
+        """An exit or a restart: on the console and in `<home>/logs/up.log`."""
+        self.console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
+        if self._log is None:
+            self._log = open_private_log(self.settings.home / "logs" / "up.log")
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._log.write(f"{stamp} {message}\n".encode())
+        self._log.flush()
 
     def start_redis(self) -> None:
         if not self.settings.is_embedded_redis or _answers_ping(self.settings.redis_url):
             return
-        self.redis_server = EmbeddedRedis(
+        server = EmbeddedRedis(
             self.settings.home / "redis", unix_socket=self.settings.redis_socket_path
-        ).start()
+        )
+        self.redis_child = self.supervisor.add(Child("redis", lambda: server.start().process))
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def spawn(self, name: str, *args: str, metrics_port: int | None = None) -> Child:
+        start = functools.partial(self._popen, name, args)
+        return self.supervisor.add(Child(name, start, metrics_port=metrics_port))
+
+    def _popen(self, name: str, args: tuple[str, ...]) -> subprocess.Popen:
         env = {**os.environ, **self.env_overrides, "LLMFLEET_HOME_DIR": str(self.settings.home)}
-        # The child writes to its own copy of the log's descriptor; ours is closed.
+        # The child writes to its own copy of the log's descriptor; ours is closed. Appended
+        # to: a restarted child's log follows what its predecessor wrote before it died.
         with open_private_log(self.settings.home / "logs" / f"{name}.log") as log:
-            process = subprocess.Popen(
+            return subprocess.Popen(
                 [sys.executable, "-m", "cli", *args],
                 stdout=log,
                 stderr=log,
                 env=env,
                 umask=PRIVATE_UMASK,  # what the children write in the home is private too
             )
-        self.children.append(process)
-        return process
+
+    def exited(self) -> list[str]:
+        """The children that are not running (before `supervise`, nothing restarts them)."""
+        return [c.name for c in self.supervisor.children if _has_exited(c)]
+
+    def supervise(self) -> None:
+        """Until Ctrl-C or SIGTERM: restart what exits, publish the children's state."""
+        with closing(_redis_client(self.settings)) as client:
+            while True:
+                self.supervisor.tick()
+                _publish(client, self.supervisor)
+                time.sleep(SUPERVISE_INTERVAL_S)
 
     def stop(self) -> None:
-        for process in self.children:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.children:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        if self.redis_server is not None:
-            self.redis_server.stop()
+        grace_s = self.settings.worker_drain_timeout_s + STOP_MARGIN_S
+        self.supervisor.stop(grace_s, last=self.redis_child)
+        if self._log is not None:
+            self._log.close()
 
 
-def run_local(settings: Settings, *, model: str, batching: str) -> None:
+def run_local(settings: Settings, *, model: str, batching: str, workers: WorkerPlan) -> None:
     # Every file this process writes under the home (secrets, the database) is 0600 and
     # every directory 0700, whichever module creates it: the home holds prompts and keys.
     os.umask(PRIVATE_UMASK)
@@ -92,24 +154,44 @@ def run_local(settings: Settings, *, model: str, batching: str) -> None:
             engine = make_engine(settings)
             create_schema(engine)
             status.update(f"registering model {model}...")
-            if deployments.get_active(engine, model) is None:
+            if deployments.get_stable(engine, model) is None:
                 if model != DEFAULT_MODEL_ID:
                     raise SystemExit(f"no deployment {model!r}; add it with `llmfleet model add`")
                 deployments.ensure_default(engine)
             key = _dev_key(settings, engine)
             metrics_token = _metrics_token_source(settings)
         api = stack.spawn("api", "api")
-        control = stack.spawn("control", "control")
-        worker = stack.spawn("worker", "worker", "--model", model, "--batching", batching)
-        _wait_until_ready(stack, api, worker, model)
-        _print_ready(console, settings, key, model, metrics_token)
-        while all(p.poll() is None for p in (api, control, worker)):
-            time.sleep(0.5)
-        console.print("[red]a process exited; see the logs under[/red]", settings.home / "logs")
+        stack.spawn("control", "control")
+        worker_children = _spawn_workers(stack, model, batching, workers)
+        _wait_until_ready(stack, api, worker_children, model)
+        _print_ready(console, settings, key, model, metrics_token, worker_children)
+        stack.supervise()
     except KeyboardInterrupt:
         console.print("stopping...")
     finally:
         stack.stop()
+
+
+def _spawn_workers(stack: LocalStack, model: str, batching: str, plan: WorkerPlan) -> list[Child]:
+    children = []
+    for i in range(plan.num_workers):
+        port = plan.metrics_port(i)
+        args = ["worker", "--model", model, "--batching", batching, "--metrics-port", str(port)]
+        children.append(
+            stack.spawn(f"worker-{i}", *args, *plan.extra_args, metrics_port=port or None)
+        )
+    return children
+
+
+def _redis_client(settings: Settings) -> redis.Redis:
+    # Short timeouts: supervising must not hang on a broker that is itself being restarted.
+    return redis.Redis.from_url(settings.redis_url, socket_timeout=1, socket_connect_timeout=1)
+
+
+def _publish(client: redis.Redis, supervisor: Supervisor) -> None:
+    # Redis may be down (the embedded one restarting): the next tick writes it all.
+    with contextlib.suppress(redis.RedisError, OSError):
+        supervised.write(client, supervisor.states())
 
 
 def _raise_keyboard_interrupt(*_args) -> None:
@@ -141,33 +223,40 @@ def _dev_key(settings: Settings, engine) -> str:
     return key
 
 
-def _wait_until_ready(
-    stack: LocalStack, api: subprocess.Popen, worker: subprocess.Popen, model: str
-) -> None:
-    settings = stack.settings
-    with closing(redis.Redis.from_url(settings.redis_url)) as client:
-        _show_progress(stack, api, worker, model, client)
+def _wait_until_ready(stack: LocalStack, api: Child, workers: list[Child], model: str) -> None:
+    with closing(redis.Redis.from_url(stack.settings.redis_url)) as client:
+        _show_progress(stack, api, workers, model, client)
 
 
 def _show_progress(
-    stack: LocalStack, api: subprocess.Popen, worker: subprocess.Popen, model: str, client
+    stack: LocalStack, api: Child, workers: list[Child], model: str, client: redis.Redis
 ) -> None:
     settings = stack.settings
     started = time.monotonic()
     with stack.console.status("") as status:
         while True:
             elapsed = time.monotonic() - started
-            if api.poll() is not None or worker.poll() is not None or elapsed > START_TIMEOUT_S:
-                raise SystemExit(f"startup failed; see the logs under {settings.home / 'logs'}")
-            worker_state = _worker_state(client, worker.pid)
+            exited = stack.exited()
+            if exited or elapsed > START_TIMEOUT_S:
+                why = f"{', '.join(exited)} exited" if exited else "timed out"
+                raise SystemExit(
+                    f"startup failed ({why}); see the logs under {settings.home / 'logs'}"
+                )
+            states = [_worker_state(client, w.process.pid) for w in workers if w.process]
+            num_ready = states.count("ready")
             api_state = "ready" if api_ready(settings) else "starting"
             status.update(
-                f"worker ({model}): {worker_state} · api: {api_state} · {elapsed:.0f}s"
-                + ("  (loading the model's weights)" if worker_state == "loading" else "")
+                f"workers ({model}): {num_ready}/{len(workers)} ready · api: {api_state} · "
+                f"{elapsed:.0f}s"
+                + ("  (loading the model's weights)" if "loading" in states else "")
             )
-            if worker_state == "ready" and api_state == "ready":
+            if num_ready == len(workers) and api_state == "ready":
                 return
             time.sleep(0.3)
+
+
+def _has_exited(child: Child) -> bool:
+    return child.process is None or child.process.poll() is not None
 
 
 def _worker_state(client: redis.Redis, pid: int) -> str:
@@ -197,7 +286,12 @@ def _answers_ping(url: str) -> bool:
 
 
 def _print_ready(
-    console: Console, settings: Settings, key: str, model: str, metrics_token: str
+    console: Console,
+    settings: Settings,
+    key: str,
+    model: str,
+    metrics_token: str,
+    workers: list[Child],
 ) -> None:
     url = f"http://{settings.api_host}:{settings.api_port}"
     console.print(f"\n[bold green]llmfleet is up[/bold green] at [bold]{url}[/bold]")
@@ -205,6 +299,7 @@ def _print_ready(
     console.print(f"admin key (/admin/v1): [bold]{escape(settings.admin_secret)}[/bold]")
     console.print(f"metrics token (/metrics): {metrics_token}", soft_wrap=True)
     console.print(f"status page: {url}/dashboard (asks for the admin key) · `llmfleet status`")
+    console.print(f"workers: {_workers_line(workers)}", soft_wrap=True)
     console.print(f"logs: {settings.home / 'logs'}\n")
     console.print("try:")
     console.print(
@@ -213,4 +308,14 @@ def _print_ready(
         f'"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n',
         soft_wrap=True,
     )
-    console.print("Ctrl-C stops everything.")
+    console.print("A process that exits is started again (logs/up.log). Ctrl-C stops everything.")
+
+
+def _workers_line(workers: list[Child]) -> str:
+    """`worker-0 (metrics http://127.0.0.1:9300/metrics), ...`: each worker's own port."""
+    return ", ".join(
+        f"{w.name} (metrics http://127.0.0.1:{w.metrics_port}/metrics)"
+        if w.metrics_port
+        else f"{w.name} (no metrics port)"
+        for w in workers
+    )

@@ -1,9 +1,16 @@
 """The control process (`llmfleet control`): an arq worker that writes usage to the ledger,
-purges prompts and outputs past their retention, and exports signed chain heads.
+purges prompts and outputs past their retention, exports signed chain heads, moves
+canary rollouts on every second (`control/rollouts.py`) and assigns the shared pool's
+workers their models (`control/pool.py`).
 
 Usage jobs come from whoever ends a request (`shared/usage_jobs.py`). arq removes a job from
 its queue only once the function returned, so a job whose control process died is run
 again, and one whose database is down raises `Retry` and waits.
+
+The rollout and pool ticks are loops of their own beside arq's, not arq cron jobs: a job a second
+would leave an hour of result keys in Redis, and one that cannot be enqueued (a broker
+out of memory) would end arq's loop. Redis errors of arq's own poll are logged and waited
+out the same way, so the process outlives a broker that refuses writes or restarts.
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ import logging
 
 from arq import Retry, cron
 from arq.worker import Worker
+from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from control import ledger, usage_writer
+from control import ledger, pool, rollouts, usage_writer
 from shared import keys
+from shared.canary_health import Margins
 from shared.protocol import UsageEvent
 from shared.redis_conn import async_client
 from shared.settings import Settings
@@ -27,6 +36,8 @@ log = logging.getLogger("llmfleet.control")
 # A usage job waits out a database outage of any length: retried, never dropped for tries.
 MAX_TRIES = 1_000_000
 MAX_RETRY_DEFER_S = 30.0
+ROLLOUT_TICK_S = 1.0
+REDIS_ERROR_BACKOFF_S = 1.0
 
 
 async def record_usage(ctx: dict, event_data: dict) -> bool:
@@ -59,18 +70,62 @@ async def export_chain_heads(ctx: dict) -> int:
     return export.id
 
 
+async def advance_rollouts_forever(ctx: dict) -> None:
+    """The rollout loop: every second, judge, step, promote or roll back each running
+    rollout. A tick that fails (Redis or the database unavailable) is logged; the next
+    one tries again."""
+    settings: Settings = ctx["settings"]
+    margins = Margins.of(settings)
+    while True:
+        try:
+            await rollouts.advance_all(ctx["redis"], ctx["engine"], margins)
+        except Exception:
+            log.warning("rollout tick failed; retrying in %.0f s", ROLLOUT_TICK_S, exc_info=True)
+        await asyncio.sleep(ROLLOUT_TICK_S)
+
+
+async def _start_loops(ctx: dict) -> None:
+    """The loops beside arq's: rollouts, and the shared pool's assignments."""
+    pool_settings = pool.PoolSettings.of(ctx["settings"])
+    ctx["loops"] = [
+        asyncio.create_task(advance_rollouts_forever(ctx)),
+        asyncio.create_task(pool.rebalance_forever(ctx["redis"], ctx["engine"], pool_settings)),
+    ]
+
+
+async def _stop_loops(ctx: dict) -> None:
+    for task in ctx.get("loops", []):
+        task.cancel()
+
+
+class ControlWorker(Worker):
+    """arq's worker, whose poll outlives a Redis error: logged, then tried again after a
+    pause (arq's own loop would end on the first one, and the process with it)."""
+
+    async def _poll_iteration(self) -> None:
+        try:
+            await super()._poll_iteration()
+        except RedisError as exc:
+            log.warning("broker error in the control loop (%s); retrying", exc)
+            await asyncio.sleep(REDIS_ERROR_BACKOFF_S)
+
+
 def make_worker(
     settings: Settings, engine, *, queue_name: str = keys.CONTROL_QUEUE, burst: bool = False
 ) -> Worker:
     """The arq worker of the control process, on `engine` (schema migrated by the caller)."""
     # arq logs each job's arguments at INFO; a usage event may hold a retained prompt.
     logging.getLogger("arq.worker").setLevel(logging.WARNING)
-    return Worker(
+    cron_jobs = [
+        cron(purge_expired_content, minute=set(range(0, 60, 10)), run_at_startup=True),
+        cron(export_chain_heads, minute=0, run_at_startup=True),
+    ]
+    # A burst run (tests) stops once its queue is empty: no rollout loop there.
+    return ControlWorker(
         functions=[record_usage],
-        cron_jobs=[
-            cron(purge_expired_content, minute=set(range(0, 60, 10)), run_at_startup=True),
-            cron(export_chain_heads, minute=0, run_at_startup=True),
-        ],
+        cron_jobs=cron_jobs,
+        on_startup=None if burst else _start_loops,
+        on_shutdown=None if burst else _stop_loops,
         queue_name=queue_name,
         redis_pool=arq_client(async_client(settings.redis_url)),
         ctx={"settings": settings, "engine": engine},

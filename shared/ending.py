@@ -27,7 +27,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import keys, quota, stream_queue, usage, usage_jobs
+from shared import keys, quota, recovery, stream_queue, usage, usage_jobs
 from shared.journal import Journal
 from shared.protocol import (
     ErrorCode,
@@ -77,18 +77,25 @@ async def end_request(
     claimer: str,
     retry_s: float = 0.0,
     usage_queue: str = keys.CONTROL_QUEUE,
+    take_over_after_s: float | None = None,
 ) -> bool:
     """End `request` as `ending` says, in the steps of the module docstring; False if it was
     ended by someone else, or if its usage could not be handed over (the end is then given
     back, so that whoever tries next records it). `entry`: (stream, entry id) of its queue
     entry, or None when it is gone. A broker error after the usage is handed over is raised:
-    the end stays claimed and the entry pending."""
+    the end stays claimed and the entry pending. With `take_over_after_s` (recovery's
+    callers: the heartbeat timeout), an end claimed by a process that stopped before
+    completing it is taken over and completed here (`recovery.is_claim_abandoned`): every
+    step is idempotent, so the steps it had taken are not taken twice."""
     request_id = request.request_id
 
     async def retried(call: Callable[[], Awaitable[T]], what: str) -> T:
         return await retrying(call, within_s=retry_s, what=f"{what} of {request_id}")
 
-    if not await retried(lambda: journal.claim_end(request_id, claimer), "the end"):
+    is_claimed = await retried(lambda: journal.claim_end(request_id, claimer), "the end")
+    if not is_claimed and take_over_after_s is not None:
+        is_claimed = await _take_over(redis, journal, request_id, claimer, take_over_after_s)
+    if not is_claimed:
         log.info("request %s was ended elsewhere", request_id)
         return False
     event = await retried(lambda: _usage_event(journal, request, ending), "the usage")
@@ -112,6 +119,23 @@ async def end_request(
         await retried(lambda: stream_queue.ack(redis, *entry), "the acknowledgement")
     if isinstance(ending.last_event, ErrorEvent):
         log.warning("request %s ended: %s", request_id, ending.last_event.code)
+    return True
+
+
+async def _take_over(
+    redis: aioredis.Redis, journal: Journal, request_id: str, claimer: str, after_s: float
+) -> bool:
+    """Claim the request's end from a holder that abandoned it (see `end_request`)."""
+    claim = await journal.end_claim(request_id)
+    if claim is None:  # given back meanwhile
+        return await journal.claim_end(request_id, claimer)
+    holder, age_s = claim
+    if not await recovery.is_claim_abandoned(redis, holder, age_s, after_s):
+        return False
+    if not await journal.take_over_end(request_id, holder, claimer):
+        return False
+    log.warning("took over the end of %s from %s, which stopped before completing it",
+                request_id, holder)  # fmt: skip
     return True
 
 

@@ -1,15 +1,20 @@
-"""The fleet as Redis holds it right now: queues per tenant, live workers, recent latencies.
+"""The fleet as Redis holds it right now: per model version, queues per tenant, live workers,
+recent latencies.
 
 One snapshot feeds the API's `/metrics` (queue gauges), `/dashboard/data` and `llmfleet
 status`, so the three always agree. Queue depth is XLEN of the tenant's stream: entries are
 deleted when acknowledged, so it counts both the entries no worker has taken yet and the
 pending ones (taken, not acknowledged; XINFO GROUPS on the `workers` group). Worker figures
 come from the heartbeat hashes (`worker/service.py`), at most one heartbeat period old.
+Under `llmfleet up`, the processes it supervises (restarts, last exit) come from its record
+(`shared/supervised.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -18,9 +23,12 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from sqlalchemy.engine import Engine
 
-from shared import deployments, keys, latency_window, tenants
+from shared import deployments, keys, latency_window, rollouts, supervised, tenants
+from shared.keys import deployment_name, split_deployment_name
 from shared.latency_window import LatencySummary
+from shared.pool_assignments import POOL_DEDICATED
 from shared.redis_conn import text
+from shared.supervised import ProcessState
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +54,15 @@ class WorkerState:
     kv_cache_usage: float | None = None  # continuous batching only
     max_num_seqs: int | None = None
     num_preemptions: int = 0
+    version: str = ""
+    pool: str = POOL_DEDICATED
+    pool_models: tuple[str, ...] = ()  # a shared worker's: those it may serve
+    serving_since_s: float | None = None  # when it began serving this version
+    load_s: Mapping[str, float] = field(default_factory=dict)  # its measured loads, per model
+
+    @property
+    def deployment_name(self) -> str:
+        return deployment_name(self.model, self.version)
 
     @classmethod
     def from_heartbeat(cls, worker_id: str, fields: Mapping[str, str], now_s: float) -> WorkerState:
@@ -62,19 +79,34 @@ class WorkerState:
             kv_cache_usage=number("kv_cache_usage", float),
             max_num_seqs=number("max_num_seqs"),
             num_preemptions=number("num_preemptions") or 0,
+            version=fields.get("version", ""),
+            pool=fields.get("pool", POOL_DEDICATED),
+            pool_models=tuple(m for m in fields.get("pool_models", "").split(",") if m),
+            serving_since_s=number("serving_since", float),
+            load_s=json.loads(fields.get("load_s", "{}")),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSnapshot:
+    """One version of a model: its queues, workers and latencies."""
+
     model: str
     queues: list[QueueState]
     workers: list[WorkerState]
     ttft: LatencySummary
     itl: LatencySummary
+    version: str = "1"
+
+    @property
+    def name(self) -> str:
+        return deployment_name(self.model, self.version)
 
     def num_workers_by_state(self) -> Counter[str]:
         return Counter(w.state for w in self.workers)
+
+    def num_workers_by_pool(self) -> Counter[str]:
+        return Counter(w.pool for w in self.workers)
 
     @property
     def num_queued(self) -> int:
@@ -96,51 +128,82 @@ class ModelSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class RolloutView:
+    """A model's latest rollout, as SQL holds it (`shared/rollouts.py`)."""
+
+    model: str
+    canary_version: str
+    state: str
+    percent: float
+
+
+@dataclass(frozen=True, slots=True)
 class FleetSnapshot:
     taken_at_s: float
-    models: dict[str, ModelSnapshot]
+    models: dict[str, ModelSnapshot]  # by `model@version`
     tenant_names: Mapping[str, str] = field(default_factory=dict)
+    processes: list[ProcessState] = field(default_factory=list)  # supervised by `up`
+    rollouts: list[RolloutView] = field(default_factory=list)  # each model's latest
+    # (model, cause) -> rollouts rolled back, all time (from SQL: survives restarts).
+    num_rollbacks: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def tenant_name(self, tenant_id: str) -> str:
         return self.tenant_names.get(tenant_id, tenant_id)
 
 
 def catalog(engine: Engine) -> tuple[list[str], dict[str, str]]:
-    """From SQL: the active models, and tenant id -> name. Blocking; run it off the loop."""
-    models = [d.model_id for d in deployments.list_active(engine)]
-    return models, {t.id: t.name for t in tenants.list_tenants(engine)}
+    """From SQL: the active model versions (`model@version`), and tenant id -> name.
+    Blocking; run it off the loop."""
+    names = [d.name for d in deployments.list_active(engine)]
+    return names, {t.id: t.name for t in tenants.list_tenants(engine)}
+
+
+def rollout_catalog(engine: Engine) -> tuple[list[RolloutView], Counter[tuple[str, str]]]:
+    """From SQL: each model's latest rollout, and the rollbacks by model and cause.
+    Blocking; run it off the loop."""
+    views = []
+    for rollout in rollouts.latest_per_model(engine):
+        canary, _ = rollouts.deployments_of(engine, rollout)
+        views.append(RolloutView(rollout.model_id, canary.version, rollout.state, rollout.percent))
+    return views, rollouts.rollback_counts(engine)
 
 
 async def snapshot(
     redis: aioredis.Redis, engine: Engine, window_s: float = latency_window.DEFAULT_WINDOW_S
 ) -> FleetSnapshot:
-    """`read_fleet` of the active models, with tenant names from SQL."""
+    """`read_fleet` of the active models, with tenant names and rollouts from SQL."""
     models, tenant_names = await asyncio.to_thread(catalog, engine)
-    return await read_fleet(redis, models, tenant_names, window_s)
+    views, num_rollbacks = await asyncio.to_thread(rollout_catalog, engine)
+    fleet = await read_fleet(redis, models, tenant_names, window_s)
+    return dataclasses.replace(fleet, rollouts=views, num_rollbacks=num_rollbacks)
 
 
 async def read_fleet(
     redis: aioredis.Redis,
-    models: Iterable[str],
+    names: Iterable[str],
     tenant_names: Mapping[str, str] | None = None,
     window_s: float = latency_window.DEFAULT_WINDOW_S,
 ) -> FleetSnapshot:
-    """The snapshot of `models` and of any model a live worker serves."""
+    """The snapshot of the model versions `names` (`model@version`) and of any version a
+    live worker serves."""
     now_s = time.time()
-    workers = await _read_workers(redis, now_s)
+    workers = await read_workers(redis, now_s)
     snapshots = {}
-    for model in sorted({*models, *(w.model for w in workers)}):
-        snapshots[model] = ModelSnapshot(
+    for name in sorted({*names, *(w.deployment_name for w in workers)}):
+        model, version = split_deployment_name(name)
+        snapshots[name] = ModelSnapshot(
             model=model,
-            queues=await _read_queues(redis, model),
-            workers=[w for w in workers if w.model == model],
-            ttft=await latency_window.summarize(redis, model, "ttft", window_s),
-            itl=await latency_window.summarize(redis, model, "itl", window_s),
+            version=version or "",
+            queues=await read_queues(redis, name),
+            workers=[w for w in workers if w.deployment_name == name],
+            ttft=await latency_window.summarize(redis, name, "ttft", window_s),
+            itl=await latency_window.summarize(redis, name, "itl", window_s),
         )
-    return FleetSnapshot(now_s, snapshots, dict(tenant_names or {}))
+    processes = await supervised.read(redis)
+    return FleetSnapshot(now_s, snapshots, dict(tenant_names or {}), processes)
 
 
-async def _read_workers(redis: aioredis.Redis, now_s: float) -> list[WorkerState]:
+async def read_workers(redis: aioredis.Redis, now_s: float) -> list[WorkerState]:
     prefix = keys.worker_heartbeat("")
     workers = []
     async for key in redis.scan_iter(match=keys.worker_heartbeat_pattern(), count=100):
@@ -150,11 +213,11 @@ async def _read_workers(redis: aioredis.Redis, now_s: float) -> list[WorkerState
     return sorted(workers, key=lambda w: w.worker_id)
 
 
-async def _read_queues(redis: aioredis.Redis, model: str) -> list[QueueState]:
-    tenant_ids = sorted(text(t) for t in await redis.smembers(keys.model_tenants(model)))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
+async def read_queues(redis: aioredis.Redis, name: str) -> list[QueueState]:
+    tenant_ids = sorted(text(t) for t in await redis.smembers(keys.model_tenants(name)))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
     async with redis.pipeline(transaction=False) as pipe:
         for tenant_id in tenant_ids:
-            stream = keys.tenant_stream(model, tenant_id)
+            stream = keys.tenant_stream(name, tenant_id)
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
         replies = await pipe.execute(raise_on_error=False)

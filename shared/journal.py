@@ -36,12 +36,16 @@ from shared import keys
 from shared.protocol import ErrorEvent, Event, FinalEvent, TokenEvent, decode_event, encode_event
 
 # KEYS: journal stream, done marker. ARGV: channel, seq, event JSON, ttl s.
-# Returns 1 if appended (and published), 0 if the request is ending or `seq` was taken.
+# Returns 1 if appended (and published), 0 if the request is ending or `seq` was taken; an
+# OOM error (`OutOfMemoryError`) if Redis is out of memory.
 _APPEND_LUA = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local id = '0-' .. (tonumber(ARGV[2]) + 1)
 local added = redis.pcall('XADD', KEYS[1], id, 'e', ARGV[3])
 if type(added) == 'table' and added.err then
+  -- Out of memory is not a taken `seq`: the caller waits and tries again.
+  local oom = string.find(added.err, 'OOM', 1, true)
+  if oom then return redis.error_reply(string.sub(added.err, oom)) end
   -- The very same event is there: this call is a client's retry of one that ran.
   local existing = redis.call('XRANGE', KEYS[1], id, id)
   if #existing == 1 and existing[1][2][2] == ARGV[3] then return 1 end
@@ -98,6 +102,16 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
+# KEYS: done marker, the request's events. ARGV: the holder taken over, the new claimer, ttl
+# s. Only while that holder still holds the end and no terminal event was appended.
+_TAKE_OVER_END_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if #last > 0 and cjson.decode(last[1][2][2])['type'] ~= 'token' then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
+
 _RELEASE_END_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
@@ -119,6 +133,7 @@ class Journal:
         self._append_end = redis.register_script(_APPEND_END_LUA)
         self._release_end = redis.register_script(_RELEASE_END_LUA)
         self._claim_end = redis.register_script(_CLAIM_END_LUA)
+        self._take_over_end = redis.register_script(_TAKE_OVER_END_LUA)
 
     async def append(self, request_id: str, event: TokenEvent) -> bool:
         """Append and publish a token event; False if the request is ending or `seq` was
@@ -141,7 +156,34 @@ class Journal:
         return int(entries[0][0].split(b"-")[1]) - 1 if entries else -1
 
     async def is_done(self, request_id: str) -> bool:
+        """Whether its end is claimed (perhaps not yet completed: see `is_ended`)."""
         return bool(await self._redis.exists(keys.request_done(request_id)))
+
+    async def is_ended(self, request_id: str) -> bool:
+        """Whether its terminal event (final or error) is appended."""
+        entries = await self._redis.xrevrange(keys.request_events(request_id), count=1)
+        return bool(entries) and not isinstance(decode_event(entries[0][1][b"e"]), TokenEvent)
+
+    async def end_claim(self, request_id: str) -> tuple[str, float] | None:
+        """Who holds the request's end and for how long (s), if its end is claimed."""
+        done = keys.request_done(request_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.get(done)
+            pipe.ttl(done)
+            holder, ttl_s = await pipe.execute()
+        if holder is None:
+            return None
+        return holder.decode(), max(0.0, float(self.ttl_s - max(ttl_s, 0)))
+
+    async def take_over_end(self, request_id: str, holder: str, claimer: str) -> bool:
+        """Claim an end that `holder` claimed and never completed (`holder` is gone); False
+        if it completed it meanwhile, or someone else took it."""
+        return bool(
+            await self._take_over_end(
+                keys=[keys.request_done(request_id), keys.request_events(request_id)],
+                args=[holder, claimer, self.ttl_s],
+            )
+        )
 
     async def claim_end(self, request_id: str, claimer: str) -> bool:
         """Become the one who ends the request (records its usage, appends its terminal

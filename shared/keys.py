@@ -1,14 +1,23 @@
 """Every Redis key, stream, consumer group and pub/sub channel name, built here and nowhere else.
 
+`{deployment}` is one version of a model, named `model@version` (`shared/routing.py`): each
+version has its own queues, workers and figures, so queues of different versions never mix.
+
 Layout (all under the `llmfleet:` prefix):
 
-- `llmfleet:q:{model}:{tenant}`   stream: one per (model, tenant); the API XADDs requests.
-- `llmfleet:tenants:{model}`      set: tenants that have a stream for the model.
+- `llmfleet:q:{deployment}:{tenant}` stream: one per (model version, tenant); the API XADDs
+                                  requests.
+- `llmfleet:tenants:{deployment}` set: tenants that have a stream for the model version.
 - consumer group `workers`        on every tenant stream; each worker process is a consumer.
 - `llmfleet:req:{request_id}`     pub/sub channel: token, final and error events for one request.
-- `llmfleet:cancel:{model}`       pub/sub channel: request ids whose client went away.
-- `llmfleet:worker:{worker_id}`   hash with a TTL: a worker's heartbeat, load state, engine stats.
-- `llmfleet:capacity:{model}`     sorted set: worker id -> most tokens (prompt + max_tokens) one
+- `llmfleet:cancel:{model}`       pub/sub channel: request ids whose client went away, for every
+                                  version of the model (a worker ignores ids it does not hold).
+- `llmfleet:worker:{worker_id}`   hash with a TTL: a worker's heartbeat, load state, engine stats,
+                                  the model, version and deployment id it serves.
+- `llmfleet:ready:{deployment}`   sorted set: worker id -> unix time of its last heartbeat as a
+                                  ready worker of the version; the API routes to a version only
+                                  while one is recent (`api/router.py`).
+- `llmfleet:capacity:{deployment}` sorted set: worker id -> most tokens (prompt + max_tokens) one
                                   sequence can hold in that worker's KV cache.
 - `llmfleet:inflight:{tenant}`    sorted set: request id -> expiry (unix s); admitted, not finished.
 - `llmfleet:queued:{tenant}`      sorted set: request id -> expiry (unix s); admitted, not pulled.
@@ -26,33 +35,56 @@ Layout (all under the `llmfleet:` prefix):
                                   arq keeps each job under its own `arq:job:{id}`,
                                   `arq:result:{id}`, `arq:in-progress:{id}`, `arq:retry:{id}`
                                   keys, with ids `usage:{request_id}` (`shared/usage_jobs.py`).
-- `llmfleet:service:{model}`      hash with a TTL: tenant id -> tokens computed for the tenant per
-                                  unit of its weight, by every worker of the model (the pool's
-                                  fair-queuing counters, `worker/pool_service.py`).
+- `llmfleet:service:{deployment}` hash with a TTL: tenant id -> tokens computed for the tenant per
+                                  unit of its weight, by every worker of the model version (the
+                                  pool's fair-queuing counters, `worker/pool_service.py`).
 - `llmfleet:authfail:{address}`  string with a TTL: failed authentications from one client
                                   address in the current window (`api/auth_throttle.py`).
 - `llmfleet:resume:{request_id}`  sorted set with a TTL: stream id -> lease expiry (unix s); the
                                   resume streams open on the request (`api/resume_slots.py`).
 - `llmfleet:resume-tenant:{tenant}` sorted set with a TTL: the same, for all of a tenant's
                                   requests.
-- `llmfleet:latency:{model}:{kind}` list: a model's latest TTFT or ITL samples (`kind` = `ttft` or
-                                  `itl`), newest first, capped; workers write, `/dashboard` and
-                                  `llmfleet status` read (`shared/latency_window.py`).
+- `llmfleet:latency:{deployment}:{kind}` list: a model version's latest samples (`kind` = `ttft`
+                                  or `itl`, seconds; `failed`, 1 or 0 per finished request),
+                                  newest first, capped; workers write, `/dashboard`, `llmfleet
+                                  status` and the rollout loop read (`shared/latency_window.py`).
+- `llmfleet:up`                   hash with a TTL: process name -> its state (pid, restarts, last
+                                  exit, up since), written by `llmfleet up` for the processes it
+                                  supervises; `/dashboard` and `llmfleet status` read
+                                  (`shared/supervised.py`).
+- `llmfleet:pool:assignments`     hash: shared-pool worker id -> JSON `{"model", "at"}`, the model
+                                  the control process assigned it and since when
+                                  (`control/pool.py`); each shared worker follows its own.
 """
 
 from __future__ import annotations
 
 PREFIX = "llmfleet"
+VERSION_SEPARATOR = "@"
 WORKER_GROUP = "workers"
 CONTROL_QUEUE = f"{PREFIX}:control"
+SUPERVISED_PROCESSES = f"{PREFIX}:up"
+POOL_ASSIGNMENTS = f"{PREFIX}:pool:assignments"
 
 
-def tenant_stream(model: str, tenant: str) -> str:
-    return f"{PREFIX}:q:{model}:{tenant}"
+def deployment_name(model_id: str, version: str) -> str:
+    """`model@version`: one version of a model, in keys, metrics and logs, and as a client
+    pins it (`model` = `id@version`)."""
+    return f"{model_id}{VERSION_SEPARATOR}{version}"
 
 
-def model_tenants(model: str) -> str:
-    return f"{PREFIX}:tenants:{model}"
+def split_deployment_name(name: str) -> tuple[str, str | None]:
+    """`model@version` as (model id, version); a bare model id as (model id, None)."""
+    model_id, separator, version = name.partition(VERSION_SEPARATOR)
+    return (model_id, version) if separator else (name, None)
+
+
+def tenant_stream(deployment: str, tenant: str) -> str:
+    return f"{PREFIX}:q:{deployment}:{tenant}"
+
+
+def model_tenants(deployment: str) -> str:
+    return f"{PREFIX}:tenants:{deployment}"
 
 
 def request_channel(request_id: str) -> str:
@@ -71,12 +103,16 @@ def worker_heartbeat_pattern() -> str:
     return f"{PREFIX}:worker:*"
 
 
-def model_capacity(model: str) -> str:
-    return f"{PREFIX}:capacity:{model}"
+def ready_workers(deployment: str) -> str:
+    return f"{PREFIX}:ready:{deployment}"
 
 
-def tenant_service(model: str) -> str:
-    return f"{PREFIX}:service:{model}"
+def model_capacity(deployment: str) -> str:
+    return f"{PREFIX}:capacity:{deployment}"
+
+
+def tenant_service(deployment: str) -> str:
+    return f"{PREFIX}:service:{deployment}"
 
 
 def tenant_inflight(tenant: str) -> str:
@@ -95,8 +131,12 @@ def auth_failures(address: str) -> str:
     return f"{PREFIX}:authfail:{address}"
 
 
-def latency_samples(model: str, kind: str) -> str:
-    return f"{PREFIX}:latency:{model}:{kind}"
+# Bumped by every change to a tenant or a key: API replicas drop their cached principals.
+PRINCIPALS_EPOCH = f"{PREFIX}:principals:epoch"
+
+
+def latency_samples(deployment: str, kind: str) -> str:
+    return f"{PREFIX}:latency:{deployment}:{kind}"
 
 
 def request_events(request_id: str) -> str:

@@ -1,9 +1,11 @@
-"""A rolling window of recent latency samples per model in Redis, for live percentiles.
+"""A rolling window of recent latency samples per model version in Redis, for live percentiles.
 
-Workers push their TTFT and inter-token-latency samples (`llmfleet:latency:{model}:{kind}`,
-a list of `"<unix_s> <value_s>"`, newest first) about once a second; the list is capped at
-`MAX_NUM_SAMPLES` and expires when no worker has written for `EXPIRY_S`. `/dashboard` and
-`llmfleet status` read the samples of the last `window_s` and take p50 and p99.
+Workers push their TTFT and inter-token-latency samples
+(`llmfleet:latency:{deployment}:{kind}`, a list of `"<unix_s> <value_s>"`, newest first), and
+for each request that ended a `failed` sample (1 or 0), about once a second; the list is
+capped at `MAX_NUM_SAMPLES` and expires when no worker has written for `EXPIRY_S`.
+`/dashboard` and `llmfleet status` read the samples of the last `window_s` and take p50 and
+p99; the rollout loop compares a canary's with its stable version's (`control/rollouts.py`).
 
 Why not the Prometheus histograms: those live in each worker's process and need a Prometheus
 server to merge; this needs only Redis, gives every reader the same fleet-wide figures, and
@@ -24,7 +26,7 @@ import redis.asyncio as aioredis
 from shared import keys
 from shared.redis_conn import text
 
-KINDS = ("ttft", "itl")
+KINDS = ("ttft", "itl", "failed")
 MAX_NUM_SAMPLES = 2000
 MAX_NUM_SAMPLES_PER_PUSH = 500
 EXPIRY_S = 3600
@@ -54,11 +56,13 @@ class LatencySummary:
         return cls(len(values), cuts[49], cuts[98])
 
 
-async def push(redis: aioredis.Redis, model: str, kind: str, samples: Sequence[Sample]) -> None:
+async def push(
+    redis: aioredis.Redis, deployment: str, kind: str, samples: Sequence[Sample]
+) -> None:
     if not samples:
         return
     stride = -(-len(samples) // MAX_NUM_SAMPLES_PER_PUSH)  # ceil: thin evenly when too many
-    key = keys.latency_samples(model, kind)
+    key = keys.latency_samples(deployment, kind)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.lpush(key, *(f"{s.at_s:.3f} {s.value_s:.6f}" for s in samples[::stride]))
         pipe.ltrim(key, 0, MAX_NUM_SAMPLES - 1)
@@ -67,18 +71,32 @@ async def push(redis: aioredis.Redis, model: str, kind: str, samples: Sequence[S
 
 
 async def summarize(
-    redis: aioredis.Redis, model: str, kind: str, window_s: float = DEFAULT_WINDOW_S
+    redis: aioredis.Redis, deployment: str, kind: str, window_s: float = DEFAULT_WINDOW_S
 ) -> LatencySummary:
     """p50 and p99 over the samples of the last `window_s`."""
-    raw = await redis.lrange(keys.latency_samples(model, kind), 0, -1)  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
-    return summarize_raw(raw, time.time() - window_s)
+    return LatencySummary.of(await read(redis, deployment, kind, window_s))
 
 
-def summarize_raw(raw: Sequence[bytes | str], since_s: float) -> LatencySummary:
+async def read(
+    redis: aioredis.Redis, deployment: str, kind: str, window_s: float = DEFAULT_WINDOW_S
+) -> list[float]:
+    """The values of the samples of the last `window_s`."""
+    return await read_since(redis, deployment, kind, time.time() - window_s)
+
+
+async def read_since(
+    redis: aioredis.Redis, deployment: str, kind: str, since_s: float
+) -> list[float]:
+    """The values of the samples taken at `since_s` (unix time) or later."""
+    raw = await redis.lrange(keys.latency_samples(deployment, kind), 0, -1)  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
+    return values_since(raw, since_s)
+
+
+def values_since(raw: Sequence[bytes | str], since_s: float) -> list[float]:
     values = []
     for item in raw:
         at_s, _, value_s = text(item).partition(" ")
         # Not a break at the first old sample: pushes of several workers interleave.
         if float(at_s) >= since_s:
             values.append(float(value_s))
-    return LatencySummary.of(values)
+    return values

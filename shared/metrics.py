@@ -2,7 +2,7 @@
 
 Names follow vLLM's where they mean the same thing (`vllm:time_to_first_token_seconds` is
 `llmfleet_time_to_first_token_seconds` here), so a reader who knows vLLM's dashboards knows
-ours. Latency histograms are labelled by model and tier only; per-tenant series (queue
+ours. Latency histograms are labelled by model, version and tier only; per-tenant series (queue
 depth, pending entries, preemptions) exist because tenants are a bounded set an operator
 administers (the SQL `Tenant` table), not an open one. They carry the tenant's id only, never
 its name: a scrape tells nobody who the customers are (`llmfleet tenant list` maps ids to
@@ -15,8 +15,9 @@ Three groups, by the process that owns them:
 - `ApiMetrics`: counted by the API's processes; with several uvicorn workers they are summed
   by prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by `llmfleet api`).
 - `FleetCollector`: read from Redis when the API is scraped (queues, live workers): the same
-  snapshot `/dashboard` and `llmfleet status` show (`shared/fleet.py`). Every API replica
-  reports the same Redis-wide values, so queries take `max` over instances, not `sum`.
+  snapshot `/dashboard` and `llmfleet status` show (`shared/fleet.py`), and the rollouts from
+  SQL (their rollbacks are a counter kept by SQL, so it survives every restart). Every API
+  replica reports the same values, so queries take `max` over instances, not `sum`.
 
 No registry is global: each owner builds its own, so several apps or engines in one process
 (tests) never collide.
@@ -28,11 +29,13 @@ import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from shared.canary_health import Cause
 from shared.fleet import FleetSnapshot
+from shared.rollouts import RolloutState
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -51,7 +54,9 @@ REQUEST_BUCKETS_S = (
 )  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-MODEL_TIER = ("model", "tier")
+# A worker serves one version of a model: its series carry both.
+MODEL = ("model", "version")
+MODEL_TIER = ("model", "version", "tier")
 
 
 class WorkerMetrics:
@@ -85,54 +90,64 @@ class WorkerMetrics:
         self.request_success = Counter(
             "llmfleet_request_success",
             "Requests that ended, by finish reason (stop, length, cancelled, error).",
-            ("model", "tier", "finished_reason"), registry=r,
+            ("model", "version", "tier", "finished_reason"), registry=r,
         )  # fmt: skip
         self.num_requests_running = Gauge(
-            "llmfleet_num_requests_running", "Sequences in the batch.", ("model",), registry=r
+            "llmfleet_num_requests_running", "Sequences in the batch.", MODEL, registry=r
         )
         self.num_requests_waiting = Gauge(
             "llmfleet_num_requests_waiting",
             "Sequences pulled by the worker, waiting for a place in the batch.",
-            ("model",), registry=r,
+            MODEL, registry=r,
         )  # fmt: skip
         self.kv_cache_usage = Gauge(
             "llmfleet_kv_cache_usage_perc",
             "Fraction (0-1, as vLLM's) of the KV-cache blocks in use.",
-            ("model",), registry=r,
+            MODEL, registry=r,
         )  # fmt: skip
         self.pool_sync_s = Histogram(
             "llmfleet_pool_sync_seconds",
             "Round trip of a step's sync of the pool's fair-queuing counters with Redis "
             "(it runs while the step computes).",
-            ("model",), buckets=ITL_BUCKETS_S, registry=r,
+            MODEL, buckets=ITL_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.max_num_seqs = Gauge(
             "llmfleet_max_num_seqs",
             "Places in the batch (--max-num-seqs; --max-batch-size for static batching).",
-            ("model",), registry=r,
+            MODEL, registry=r,
         )  # fmt: skip
         self.batch_size = Histogram(
             "llmfleet_batch_size",
             "Sequences holding a place in the batch during one engine step.",
-            ("model",), buckets=BATCH_SIZE_BUCKETS, registry=r,
+            MODEL, buckets=BATCH_SIZE_BUCKETS, registry=r,
         )  # fmt: skip
         self.engine_step_duration_s = Histogram(
             "llmfleet_engine_step_duration_seconds",
             "Wall time of one engine step (schedule, forward pass, sampling).",
-            ("model",), buckets=ITL_BUCKETS_S, registry=r,
+            MODEL, buckets=ITL_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(
             "llmfleet_prompt_tokens",
             "Prompt tokens prefilled, counted when the request's first token is sampled.",
-            ("model",), registry=r,
+            MODEL, registry=r,
         )  # fmt: skip
         self.generation_tokens = Counter(
-            "llmfleet_generation_tokens", "Tokens generated.", ("model",), registry=r
+            "llmfleet_generation_tokens", "Tokens generated.", MODEL, registry=r
         )
         self.num_preemptions = Counter(
             "llmfleet_num_preemptions",
             "Running sequences preempted for KV-cache blocks (recomputed later), by tenant.",
-            ("model", "tenant"), registry=r,
+            ("model", "version", "tenant"), registry=r,
+        )  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "llmfleet_prefix_cache_queries",
+            "Tokens of admitted sequences looked up in the prefix cache (as vLLM's).",
+            MODEL, registry=r,
+        )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "llmfleet_prefix_cache_hits",
+            "Of them, tokens found cached (a tenant's own earlier blocks) and not computed.",
+            MODEL, registry=r,
         )  # fmt: skip
 
     def exposition(self) -> bytes:
@@ -173,13 +188,14 @@ class ApiMetrics:
 class FleetCollector(Collector):
     """Queues and workers as Redis holds them at scrape time: per-tenant queue depth (stream
     length: waiting plus pending, since entries are deleted on acknowledgement), pending
-    entries, live workers by state and the oldest heartbeat's age."""
+    entries, live workers by state and the oldest heartbeat's age; each model's latest
+    rollout and its rollbacks."""
 
     def __init__(self, fleet: FleetSnapshot) -> None:
         self._fleet = fleet
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        tenant_labels = ["model", "tenant"]
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        tenant_labels = ["model", "version", "tenant"]
         depth = GaugeMetricFamily(
             "llmfleet_queue_depth",
             "Entries on the tenant's stream: waiting for a worker plus taken, not acknowledged.",
@@ -193,20 +209,57 @@ class FleetCollector(Collector):
         workers = GaugeMetricFamily(
             "llmfleet_workers",
             "Workers with a live heartbeat, by state.",
-            labels=["model", "state"],
+            labels=["model", "version", "state"],
         )
         age = GaugeMetricFamily(
             "llmfleet_worker_heartbeat_age_seconds",
-            "Age of the oldest live heartbeat of the model's workers.",
-            labels=["model"],
+            "Age of the oldest live heartbeat of the model version's workers.",
+            labels=["model", "version"],
         )
-        for model, snap in sorted(self._fleet.models.items()):
+        by_pool = GaugeMetricFamily(
+            "llmfleet_pool_workers",
+            "Workers with a live heartbeat serving the model version, by pool (dedicated, "
+            "or shared: assigned by the control process).",
+            labels=["model", "version", "pool"],
+        )
+        for _name, snap in sorted(self._fleet.models.items()):
+            version = [snap.model, snap.version]
             for queue in snap.queues:
-                labels = [model, queue.tenant_id]
+                labels = [*version, queue.tenant_id]
                 depth.add_metric(labels, queue.num_entries)
                 pending.add_metric(labels, queue.num_pending)
             for state, count in sorted(snap.num_workers_by_state().items()):
-                workers.add_metric([model, state], count)
+                workers.add_metric([*version, state], count)
             if snap.workers:
-                age.add_metric([model], max(w.heartbeat_age_s for w in snap.workers))
-        yield from (depth, pending, workers, age)
+                age.add_metric(version, max(w.heartbeat_age_s for w in snap.workers))
+            for pool, count in sorted(snap.num_workers_by_pool().items()):
+                by_pool.add_metric([*version, pool], count)
+        yield from (depth, pending, workers, age, by_pool)
+        yield from self._rollouts()
+
+    def _rollouts(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Each model's latest rollout, and its rollbacks by cause (every cause from 0 once
+        the model has had a rollout, so that the first rollback is an increase)."""
+        state = GaugeMetricFamily(
+            "llmfleet_rollout_state",
+            "Each model's latest rollout (version: its canary): 1 for its state, 0 for the others.",
+            labels=["model", "version", "state"],
+        )
+        percent = GaugeMetricFamily(
+            "llmfleet_rollout_canary_percent",
+            "The share of the model's requests its latest rollout's canary gets, in percent.",
+            labels=["model", "version"],
+        )
+        rollbacks = CounterMetricFamily(
+            "llmfleet_rollout_rollbacks",
+            "Rollouts the control loop rolled back, by cause (ttft_p99, itl_p99, error_rate).",
+            labels=["model", "cause"],
+        )
+        for view in self._fleet.rollouts:
+            for name in RolloutState:
+                state.add_metric([view.model, view.canary_version, name], view.state == name)
+            percent.add_metric([view.model, view.canary_version], view.percent)
+            for cause in Cause:
+                num = self._fleet.num_rollbacks.get((view.model, cause), 0)
+                rollbacks.add_metric([view.model, cause], num)
+        yield from (state, percent, rollbacks)

@@ -60,6 +60,11 @@ def _default_source() -> ModelSource:
     return ModelSource(directory, _DEFAULT_GGUF)
 
 
+def import_loaders() -> None:
+    """Import what loading a tokenizer takes (transformers: seconds, once per process)."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 def load_tokenizer(source: ModelSource, cache_dir: Path | None = None):
     """The tokenizer, converted once from GGUF and kept as a HF tokenizer under cache_dir."""
     from transformers import AutoTokenizer

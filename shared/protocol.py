@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from shared.keys import deployment_name
+
 
 class FinishReason(StrEnum):
     """Why a request ended: a final event's `finish_reason` (all but `error`), and the
@@ -36,6 +38,10 @@ class ErrorCode(StrEnum):
     SAMPLING_ERROR = "sampling_error"  # its sampling failed (e.g. NaN logits)
     WORKER_LOST = "worker_lost"  # its worker stopped heartbeating mid-stream
     WORKER_SHUTDOWN = "worker_shutdown"  # its worker shut down before it finished
+
+
+# The errors a client's request causes (an HTTP 400 for it), not the server.
+CLIENT_ERROR_CODES = frozenset({ErrorCode.INVALID_SAMPLING_PARAMS, ErrorCode.INVALID_PROMPT})
 
 
 class SamplingParams(BaseModel):
@@ -63,6 +69,9 @@ class QueuedRequest(BaseModel):
     tier: int = 1  # the tenant's priority tier and fair-share weight when it was admitted
     weight: int = 1
     model: str
+    # The version that serves it (`deployment_id` is its row), chosen by the API: its
+    # queue is that version's (`deployment_name`), and its usage names the deployment.
+    version: str = "1"
     deployment_id: int
     kind: Literal["completion", "chat"]
     prompt_token_ids: list[int]
@@ -75,6 +84,11 @@ class QueuedRequest(BaseModel):
     # The tenant's retention policy when it was admitted: days its prompt and output are
     # kept (sent with its usage event); None: they are never stored.
     content_retention_days: int | None = None
+
+    @property
+    def deployment_name(self) -> str:
+        """`model@version`: the version whose streams the request waits on."""
+        return deployment_name(self.model, self.version)
 
     def to_fields(self) -> dict[str, str]:
         return {"body": self.model_dump_json()}

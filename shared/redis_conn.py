@@ -4,6 +4,13 @@ The client's own retries cover a command whose connection broke, not every way a
 reconnect can fail (redis-py takes a pooled connection and runs a new connection's
 handshake outside them): a caller that must get through (`retrying`) retries the whole
 call, which must then be idempotent.
+
+A broker out of memory (`maxmemory` reached, `noeviction`) refuses writes: such a command
+did not run, so it is one more way of not getting through (`BROKER_ERRORS`), waited out or
+reported like an unreachable broker. Redis 6.2 reports the refusal of a write inside a
+script as a generic script error (`ERR Error running script ... OOM command not allowed`),
+which redis-py raises as a plain `ResponseError`; the clients here parse it as the
+`OutOfMemoryError` a plain command gets (`_parser_class`).
 """
 
 from __future__ import annotations
@@ -12,30 +19,71 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.connection as aio_connection
+import redis.connection
+from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.retry import Retry
 
 _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError)
-# What a call raises when it did not get through to the broker.
-BROKER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# What a call raises when it did not get through to the broker (unreachable, or refusing
+# writes for want of memory).
+BROKER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError, OutOfMemoryError)
 MAX_RETRY_DELAY_S = 2.0
+# How long a command waits for a free connection of a bounded pool before it fails.
+POOL_TIMEOUT_S = 10
+_OUT_OF_MEMORY = "OOM command not allowed"
 
 log = logging.getLogger("llmfleet.redis")
 T = TypeVar("T")
 
 
-def async_client(url: str, *, retries: int = 8) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        url,
-        retry=AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries),
-        retry_on_error=list(_RETRY_ERRORS),
-        health_check_interval=30,
+def _parser_class(default: Any) -> Any:
+    """redis-py's parser, with a write refused for memory inside a script parsed as
+    `OutOfMemoryError` (see the module docstring)."""
+
+    class Parser(default):
+        @classmethod
+        def parse_error(cls, response: str) -> ResponseError:
+            if _OUT_OF_MEMORY in response:
+                return OutOfMemoryError(response)
+            return super().parse_error(response)
+
+    return Parser
+
+
+_ASYNC_PARSER = _parser_class(aio_connection.DefaultParser)
+_SYNC_PARSER = _parser_class(redis.connection.DefaultParser)
+
+
+def async_client(
+    url: str,
+    *,
+    retries: int = 8,
+    max_connections: int | None = None,
+    client_name: str | None = None,
+) -> aioredis.Redis:
+    """A client; with `max_connections`, its pool never opens more, and a command waits up
+    to `POOL_TIMEOUT_S` for a free one (then `redis.ConnectionError`)."""
+    options: dict[str, Any] = {
+        "retry": AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries),
+        "retry_on_error": list(_RETRY_ERRORS),
+        "health_check_interval": 30,
+        "client_name": client_name,
+        "parser_class": _ASYNC_PARSER,
+    }
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, **options)
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=POOL_TIMEOUT_S, **options
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def sync_client(url: str, *, retries: int = 8) -> redis.Redis:
@@ -43,13 +91,14 @@ def sync_client(url: str, *, retries: int = 8) -> redis.Redis:
         url,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         retry_on_error=list(_RETRY_ERRORS),
+        parser_class=_SYNC_PARSER,
     )
 
 
 async def retrying(call: Callable[[], Awaitable[T]], *, within_s: float, what: str) -> T:
-    """`call()`, tried again with exponential backoff while the broker is unreachable, for up
-    to `within_s`; then its error is raised. `call` must be idempotent: a try whose reply was
-    lost may have run."""
+    """`call()`, tried again with exponential backoff while the broker is unreachable or out
+    of memory, for up to `within_s`; then its error is raised. `call` must be idempotent: a
+    try whose reply was lost may have run."""
     delay_s, deadline_s = 0.05, time.monotonic() + within_s
     while True:
         try:
@@ -57,7 +106,7 @@ async def retrying(call: Callable[[], Awaitable[T]], *, within_s: float, what: s
         except BROKER_ERRORS as exc:
             if time.monotonic() + delay_s > deadline_s:
                 raise
-            log.warning("%s: broker unreachable (%s); retrying", what, exc)
+            log.warning("%s: broker unreachable or out of memory (%s); retrying", what, exc)
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, MAX_RETRY_DELAY_S)
 

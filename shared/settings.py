@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     # can hold neither the event loop nor every tokenizer thread (`api/context.py`).
     max_num_tokenizer_threads: int = Field(default=4, ge=1)
     max_num_tokenizer_threads_per_tenant: int = Field(default=2, ge=1)
+    # How long an API replica keeps a model's routing table (its stable version, a rollout's
+    # canary and share: SQL) and whether a version has a ready worker (Redis) before it reads
+    # them again: every replica applies a rollout's change within this (`api/router.py`).
+    routing_cache_s: float = Field(default=1.0, gt=0)
     stream_keepalive_s: float = 15.0
     # A request not started this long after admission fails with `queue_timeout` (no GPU
     # used); one not finished this long after admission ends with finish reason `deadline`.
@@ -106,10 +110,27 @@ class Settings(BaseSettings):
     resume_grace_s: int = Field(default=60, ge=1)
     # An API stream that hears nothing this long checks the journal and the worker's heartbeat.
     stream_idle_check_s: float = 1.0
+    # Redis connections of one API process: its streams' request channels share this many
+    # pub/sub connections (`api/subscriber.py`), and its commands a pool of at most
+    # `api_max_num_command_connections` (a command waits for a free one); 16 in all by
+    # default, whatever the number of open streams.
+    api_num_subscriber_connections: int = Field(default=2, ge=1, le=16)
+    api_max_num_command_connections: int = Field(default=14, ge=2)
+    # Events one stream holds in the API's memory for its client; beyond that they are
+    # dropped there, and the stream reads them from the journal once its client catches up.
+    max_num_buffered_events_per_stream: int = Field(default=64, ge=1)
+    # A stream whose client has not taken a byte for this long (its socket did not drain) is
+    # ended: its request is cancelled (billed for what was computed) and an error event
+    # `stream_stalled` and `[DONE]` follow whatever the socket still holds.
+    stream_send_timeout_s: float = Field(default=30.0, gt=0)
+    # SIGTERM of an API process: how long its open streams may take to finish before each
+    # ends with an error event `api_shutdown` (resume it on another replica); their requests
+    # run on. `llmfleet api` gives uvicorn longer than this (`api/shutdown.py`).
+    shutdown_grace_s: float = Field(default=25.0, ge=0)
     # Resume streams (`GET /v1/requests/{id}/events`) open at once, on one request and on all
     # of one tenant's requests, over every API replica; one more gets 429
     # `resume_streams_per_request_exceeded` / `resume_streams_per_tenant_exceeded` with
-    # `Retry-After` (`api/resume_slots.py`). Each holds a Redis connection and a socket.
+    # `Retry-After` (`api/resume_slots.py`). Each holds a socket and a stream's buffer.
     max_num_resume_streams_per_request: int = Field(default=4, ge=1)
     max_num_resume_streams_per_tenant: int = Field(default=64, ge=1)
     # An open resume stream renews its slot every third of this; the slots of an API process
@@ -120,9 +141,34 @@ class Settings(BaseSettings):
     # SQLite only: how long a writer waits for another's lock before the write fails (the
     # control process then retries the usage job later; `control/jobs.py`).
     db_busy_timeout_s: float = 30.0
+    # Canary rollouts (`shared/canary_health.py`): over the samples of the last
+    # `rollout_window_s` since the rollout started, with at least `rollout_min_num_samples` on
+    # both versions, the canary is rolled back when its TTFT p99 or ITL p99 is above the ratio
+    # times the stable version's *and* `rollout_min_latency_excess_ms` above it, or its error
+    # rate is more than `rollout_max_error_rate_increase` (a fraction) above the stable's.
+    rollout_window_s: float = Field(default=60.0, gt=0)
+    rollout_min_num_samples: int = Field(default=20, ge=1)
+    rollout_max_ttft_p99_ratio: float = Field(default=1.5, ge=1)
+    rollout_max_itl_p99_ratio: float = Field(default=1.5, ge=1)
+    rollout_min_latency_excess_ms: float = Field(default=25.0, ge=0)
+    rollout_max_error_rate_increase: float = Field(default=0.02, ge=0, le=1)
+    # The shared pool (`control/pool_policy.py`): a shared worker moves to another model when
+    # that one has at least `pool_min_waiting_per_place` requests waiting per place in the
+    # batches serving it, more than (1 + `pool_switch_margin`) times the model it serves,
+    # it has served that one `pool_min_dwell_s`, and the backlog outlasts the other model's
+    # load (measured; `pool_default_load_s` before the first). Rates over `pool_rate_window_s`.
+    pool_min_waiting_per_place: float = Field(default=1.0, gt=0)
+    pool_switch_margin: float = Field(default=0.5, ge=0)
+    pool_min_dwell_s: float = Field(default=30.0, ge=0)
+    pool_default_load_s: float = Field(default=10.0, ge=0)
+    pool_rate_window_s: float = Field(default=30.0, gt=0)
+    pool_tick_s: float = Field(default=1.0, gt=0)
     # Fault injection, for the chaos tests only: a worker's model step fails whenever its
     # input holds this token id (a "poison" prompt).
     fault_token_id: int | None = None
+    # Fault injection, for tests only: a worker waits this long before each engine step, a
+    # deliberately slow version (the rollback tests' canary).
+    fault_step_delay_ms: float = Field(default=0.0, ge=0)
 
     log_level: str = "INFO"
     log_format: str = "json"  # "json" (one object per line) | "text"

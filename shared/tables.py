@@ -9,8 +9,10 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-from sqlalchemy import Index, column, func
+from sqlalchemy import Index, column, func, text
 from sqlmodel import Field, SQLModel, UniqueConstraint
+
+from shared.keys import deployment_name
 
 
 def utcnow() -> datetime:
@@ -55,6 +57,9 @@ class ApiKey(SQLModel, table=True):
 
 
 class ModelDeployment(SQLModel, table=True):
+    """One version of a model. Requests for the model id go to its stable version, and to a
+    canary version while a `Rollout` runs (`shared/routing.py`)."""
+
     __table_args__ = (UniqueConstraint("model_id", "version"),)
 
     id: int | None = Field(default=None, primary_key=True)
@@ -63,7 +68,50 @@ class ModelDeployment(SQLModel, table=True):
     source: str  # "smollm2-135m", a local HF directory, or a .gguf file
     max_context_tokens: int
     is_active: bool = True
+    # The version that takes the model's traffic outside a rollout: one per model, set for
+    # its first version and moved by a promoted rollout (migration 0003).
+    is_stable: bool = False
     created_at: datetime = Field(default_factory=utcnow)
+
+    @property
+    def name(self) -> str:
+        """`model@version`: the name of this version in Redis keys, metrics and logs."""
+        return deployment_name(self.model_id, self.version)
+
+
+class Rollout(SQLModel, table=True):
+    """A canary rollout of a model's version: its share of the model's requests over time, and
+    how it ended (`shared/rollouts.py`; the control process moves it, `control/rollouts.py`).
+    At most one per model is `running`: a unique index over the running ones, so two
+    starts racing cannot both insert (migration 0004)."""
+
+    __table_args__ = (
+        Index(
+            "ux_rollout_running_model",
+            "model_id",
+            unique=True,
+            sqlite_where=text("state = 'running'"),
+            postgresql_where=text("state = 'running'"),
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    model_id: str = Field(index=True)
+    stable_deployment_id: int = Field(foreign_key="modeldeployment.id")
+    canary_deployment_id: int = Field(foreign_key="modeldeployment.id")
+    percent: float  # the canary's share of the model's requests now, 0-100
+    step_percent: float = 0.0  # added every `interval_s` while healthy; 0: held there
+    interval_s: float = 60.0
+    sticky: str = "none"  # none | tenant | user: how a request's point is drawn
+    # Requests each version needs in the window before the canary is judged; None: the
+    # setting `rollout_min_num_samples`.
+    min_num_samples: int | None = None
+    state: str = Field(default="running", index=True)  # running|promoted|rolled_back|aborted
+    cause: str | None = None  # a rollback's: ttft_p99 | itl_p99 | error_rate
+    reason: str | None = None  # why it ended, with the figures
+    started_at: datetime = Field(default_factory=utcnow)
+    stepped_at: datetime = Field(default_factory=utcnow)  # its percent last changed
+    finished_at: datetime | None = None
 
 
 class InferenceRequest(SQLModel, table=True):

@@ -1,7 +1,8 @@
 """Tenants and their API keys. A key is shown once; only its HMAC with the server pepper is stored.
 
-Authentication reads SQL on every request, with no cache in any process, so a key revoked or a
-tenant disabled here is refused by every API replica from its next request on.
+A key revoked or a tenant changed here is refused (or served with its new settings) by every
+API replica from its next request on: the replicas cache verified principals only for the
+principals' epoch that every such change moves (`shared/principals_epoch.py`).
 """
 
 from __future__ import annotations
@@ -294,9 +295,8 @@ def revoke_key(engine: Engine, key_id: int) -> KeyInfo | None:
 def authenticate(engine: Engine, key: str, pepper: bytes) -> Principal | None:
     """The principal for a live key of an enabled tenant, else None.
 
-    One indexed SQL lookup per call and deliberately no cache: revoking a key or disabling a
-    tenant takes effect at once on every API replica. A cache here would need invalidation
-    broadcast to all replicas to keep that promise."""
+    One indexed SQL lookup per call; the API keeps its answers for the current principals'
+    epoch (`api/auth.py`), which the callers of `update_tenant` and `revoke_key` move."""
     if not key.startswith(KEY_PREFIX):
         return None
     key_hash = hash_key(key, pepper)

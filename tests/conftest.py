@@ -55,6 +55,10 @@ def env(home: Path, redis_server: EmbeddedRedis) -> Iterator[dict[str, str]]:
         "LLMFLEET_KEY_PEPPER": "test-pepper",
         "LLMFLEET_ADMIN_KEY": "test-admin-key-0123456789",
         "LLMFLEET_WORKER_IDLE_POLL_MS": "50",
+        # The test's workers share two cores with the API, Redis and the test itself: with
+        # two OpenMP threads a worker's barriers spin against them (a tiny-model decode step
+        # took 63 ms under load instead of 3).
+        "OMP_NUM_THREADS": "1",
     }
     saved = {k: os.environ.get(k) for k in [*values, "DATABASE_URL"]}
     os.environ.update(values)
@@ -78,6 +82,14 @@ def db(settings: Settings):
     create_schema(engine)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def own_redis(tmp_path) -> Iterator[EmbeddedRedis]:
+    """A Redis of the test's own, for processes that must not share the session's."""
+    server = EmbeddedRedis(tmp_path / "redis", port=free_port()).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -251,8 +263,11 @@ def start_worker(env, home, redis_server, control_process):
 
     def factory(model: str, *args: str, env_overrides: dict[str, str] | None = None):
         log_path = home / f"worker-{model}-{len(started)}.log"
-        # No /metrics port unless a test asks for one (in `args`, which come last and win).
-        worker_args = ["worker", "--model", model, "--metrics-port", "0", *args]
+        # No /metrics port unless a test asks for one, and a KV pool of 256 MB, not the CPU
+        # default 2 GB (each worker zeroes its pool: a dozen workers alive took 24 GB); `args`
+        # come last and win.
+        worker_args = ["worker", "--model", model, "--metrics-port", "0", "--kv-cache-gb",
+                       str(TEST_KV_CACHE_GB), *args]  # fmt: skip
         process = _spawn(worker_args, env | (env_overrides or {}), log_path)
         started.append(process)
         _wait_ready(redis_server.url, process, log_path)
@@ -280,6 +295,7 @@ def _wait_ready(url: str, process: subprocess.Popen, log_path: Path) -> None:
         client.close()
 
 
+TEST_KV_CACHE_GB = 0.25
 # The tiny model's KV cache takes 512 bytes per token: this pool holds 32 blocks of 16 tokens.
 TINY_KV_CACHE_GB = 32 * 16 * 512 / 2**30
 TINY_KV_CAPACITY_TOKENS = 512
@@ -301,3 +317,10 @@ def tiny_worker(start_worker, tiny_deployment):
 @pytest.fixture(scope="session")
 def real_worker(start_worker, default_deployment):
     return start_worker(DEFAULT_MODEL_ID)
+
+
+@pytest.fixture(scope="session")
+def attentive_loaded():
+    """A tiny model whose tokens depend on attention and positions (`tiny_model.attentive`):
+    for the exactness tests of the forward pass."""
+    return tiny_model.attentive("llama")

@@ -1,12 +1,16 @@
-"""Helpers for reading llmfleet's HTTP answers in tests."""
+"""Helpers for reading llmfleet's HTTP answers in tests, and for running `llmfleet` itself."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from sqlmodel import Session, select
@@ -176,3 +180,55 @@ def _pending(client, stream: str) -> int:
     if not client.exists(stream):
         return 0
     return client.xpending(stream, keys.WORKER_GROUP)["pending"]
+
+
+UP_START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class UpProcess:
+    """`llmfleet up` running in a test, its console going to a file."""
+
+    process: subprocess.Popen
+    out_path: Path
+    url: str = ""
+    key: str = ""
+    started_in_s: float = 0.0  # from its start until it said it was up
+
+    @classmethod
+    def start(cls, env: dict[str, str], out_path: Path, *args: str) -> UpProcess:
+        with out_path.open("wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cli", "up", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: see `stop`
+            )
+        return cls(process, out_path)
+
+    @property
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_until_up(self, timeout_s: float = UP_START_TIMEOUT_S) -> UpProcess:
+        """Once it says it is up: its URL and development key."""
+        started_s = time.monotonic()
+        while "llmfleet is up" not in self.output:
+            assert self.process.poll() is None, self.output
+            assert time.monotonic() < started_s + timeout_s, self.output
+            time.sleep(0.2)
+        self.started_in_s = time.monotonic() - started_s
+        self.url = re.search(r"llmfleet is up at (\S+)", self.output).group(1)  # type: ignore[union-attr]
+        self.key = re.search(r"development API key: (lf-\S+)", self.output).group(1)  # type: ignore[union-attr]
+        return self
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            # A test that failed must not leave the platform running: `up` and its children.
+            os.killpg(self.process.pid, signal.SIGKILL)
+            raise

@@ -18,7 +18,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("api", "worker", "control", "shared", "cli", "bench")
-TORCH_ALLOWED = ("worker.runner", "bench.roofline", "bench.export_hf")
+TORCH_ALLOWED = (
+    "worker.runner",
+    "bench.roofline",
+    "bench.export_hf",
+    "bench.gpu_check",
+    "bench.gpu_model",
+)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
+from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, RolloutView, WorkerState
 from shared.latency_window import LatencySummary
 from shared.metrics import ApiMetrics, FleetCollector, WorkerMetrics
 
@@ -32,7 +32,9 @@ def _defined_metrics() -> set[str]:
     families = [
         *WorkerMetrics().registry.collect(),
         *ApiMetrics().registry.collect(),
-        *FleetCollector(FleetSnapshot(0.0, {"m": snap})).collect(),
+        *FleetCollector(
+            FleetSnapshot(0.0, {"m@1": snap}, rollouts=[RolloutView("m", "2", "running", 10)])
+        ).collect(),
     ]
     names = set()
     for family in families:

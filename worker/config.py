@@ -17,6 +17,10 @@ class EngineConfig:
     max_batch_size: int = 8  # static batching
     max_num_seqs: int = 64  # continuous batching: sequences in the batch
     max_num_batched_tokens: int = 192  # continuous batching: tokens per step (chunked prefill)
+    # continuous batching: the budget of a step with no decodes in it (None: the same), and
+    # the ITL target that adapts the budget beside decodes (None: fixed); token_budget.py
+    max_num_prefill_tokens: int | None = None
+    itl_target_ms: float | None = None
     block_size: int = 16  # tokens per KV block
     kv_cache_gb: float | None = (
         None  # KV pool size; None: 2 GB on CPU, a fraction of free GPU memory
@@ -28,6 +32,23 @@ class EngineConfig:
     fault_token_id: int | None = None
     quantum_tokens: int = DEFAULT_QUANTUM_TOKENS  # fair queuing: tokens per round per weight
     burst_tokens: int | None = None  # fair queuing: a returning tenant's lead (4 quanta)
+    # continuous batching: "auto" (our own Llama-family forward where the model is one,
+    # `worker/runner/llama.py`), "own", or "hf" (the HF forward with our paged attention)
+    forward: str = "auto"
+    # continuous batching: reuse the KV of a tenant's earlier full blocks of equal tokens
+    # (`worker/kv_cache.py`; never across tenants)
+    prefix_caching: bool = True
+    # "model": the deployment's weights; "echo": no model, each step a fixed period that
+    # gives every sequence its prompt's next token (`worker/echo_engine.py`), to measure
+    # the platform's own cost
+    engine: str = "model"
+    echo_tokens_per_s: float = 10.0  # echo: tokens a second per sequence
+    # echo: how often the worker hands out tokens, each step to the sequences whose turn it
+    # is (None: once a period, every sequence at once, as a model step does)
+    echo_step_ms: float | None = None
+    # continuous batching on a GPU: decode-only steps replay CUDA graphs captured per batch
+    # size and context (`worker/runner/decode_graphs.py`); ignored on the CPU
+    cuda_graphs: bool = True
 
 
 DEFAULT_ENGINE = EngineConfig()  # the defaults, for the command lines' options

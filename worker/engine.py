@@ -1,18 +1,19 @@
 """Engines turn admitted sequences into tokens, one `step()` at a time.
 
-`ContinuousBatchingEngine` is the default: every step the scheduler picks decodes and
-prefill chunks within a token budget, sequences join as soon as there is room and leave the
-moment they finish. `StaticBatchEngine` is the baseline it is measured against: it forms a
-batch of up to `max_batch_size` waiting sequences, runs it until every one of them has
-finished, and only then admits more; with `max_batch_size=1` it is the one-request-at-a-time
-engine.
+`Engine` is what the worker loop asks of one. `ContinuousBatchingEngine` is the default:
+every step the scheduler picks decodes and prefill chunks within a token budget, sequences
+join as soon as there is room and leave the moment they finish; a `StepRunner` computes the
+step's tokens. Plain Python, no torch: the runner over a loaded model and the static-batch
+baseline are built in `worker/model_engine.py`, the model-free echo engine in
+`worker/echo_engine.py`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import Counter, deque
+import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
@@ -22,14 +23,10 @@ from worker.config import EngineConfig
 from worker.fair_queue import FairQueue, FifoQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
-from worker.runner import guard, model_runner
-from worker.runner.loader import LoadedModel
-from worker.runner.model_runner import ModelRunner
-from worker.runner.padded_batch import PaddedBatch
-from worker.runner.sampler import SamplingFailure
+from worker.runner import guard
 from worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from worker.sequence import Sequence, SequenceOutput, SequenceStatus
-from worker.step_batch import StepBatch
+from worker.sequence import Sequence, SequenceOutput
+from worker.step_batch import SamplingFailure, StepBatch
 from worker.tenant_counters import ServiceUpdates
 
 log = logging.getLogger("llmfleet.worker")
@@ -37,29 +34,16 @@ log = logging.getLogger("llmfleet.worker")
 NO_TOKEN = -1  # in place of a failed sample: `postprocess` skips a finished sequence
 
 
-def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
-    if config.batching == "one":
-        return StaticBatchEngine(loaded, max_batch_size=1)
-    if config.batching == "static":
-        return StaticBatchEngine(loaded, max_batch_size=config.max_batch_size)
-    if config.batching != "continuous":
-        raise ValueError(f"unknown batching mode {config.batching!r}")
-    num_blocks = config.num_kv_blocks
-    if num_blocks is None:
-        kv_bytes = model_runner.kv_cache_budget_bytes(
-            loaded, config.kv_cache_gb, config.gpu_memory_fraction
-        )
-        num_blocks = model_runner.num_blocks_for_budget(loaded, kv_bytes, config.block_size)
-    runner = ModelRunner(loaded, num_blocks, config.block_size)
-    runner.fault_token_id = config.fault_token_id
-    return ContinuousBatchingEngine(build_scheduler(config, num_blocks), runner)
-
-
 def build_scheduler(config: EngineConfig, num_blocks: int) -> Scheduler:
     """The continuous-batching scheduler of `config` over a pool of `num_blocks` KV blocks:
     fair queuing with tenant-aware preemption, or FIFO with latest-arrival-first."""
-    kv_cache = KVCacheManager(num_blocks, config.block_size)
-    scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+    kv_cache = KVCacheManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+    scheduler_config = SchedulerConfig(
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.max_num_prefill_tokens,
+        None if config.itl_target_ms is None else config.itl_target_ms / 1e3,
+    )
     if config.queueing == "fair":
         queue = FairQueue(config.quantum_tokens, config.burst_tokens)
         return Scheduler(scheduler_config, kv_cache, queue, TenantAwarePreemption())
@@ -78,9 +62,12 @@ class EngineStats:
     max_num_seqs: int  # places in the batch
     max_num_tokens_per_sequence: int | None = None  # the KV cache's bound, if it has one
     kv_cache_usage: float | None = None  # fraction of KV blocks in use (continuous only)
+    kv_cache_waste: float | None = None  # of the slots in use, the fraction holding no token
     kv_cache_blocks: int | None = None
     num_preemptions: int = 0
     num_preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queried_tokens: int = 0  # since the start (continuous only)
+    prefix_cache_hit_tokens: int = 0
 
     def heartbeat_fields(self) -> dict[str, int | float | str]:
         """As Redis hash fields (read back by `shared.fleet.WorkerState`); None left out."""
@@ -124,106 +111,10 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
 
-class StaticBatchEngine:
-    def __init__(self, loaded: LoadedModel, max_batch_size: int) -> None:
-        self._loaded = loaded
-        self.max_batch_size = max_batch_size
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
-        self._batch: PaddedBatch | None = None
-        self._last_token_ids: list[int] = []
-
-    def add(self, seq: Sequence) -> SequenceOutput | None:
-        vocab_size = self._loaded.vocab_size
-        if (refusal := guard.refusal(seq.prompt_token_ids, seq.sampling, vocab_size)) is not None:
-            return seq.refuse(*refusal)
-        self._waiting.append(seq)
-        return None
-
-    def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
-        outputs = []
-        for seq in [*self._waiting, *self._running]:
-            if seq.request_id in request_ids and not seq.is_finished:
-                outputs.append(seq.cancel())
-        self._waiting = deque(s for s in self._waiting if not s.is_finished)
-        self._end_batch_if_done()
-        return outputs
-
-    def expire(self, now_s: float) -> list[SequenceOutput]:
-        outputs = [o for seq in self._waiting if (o := seq.expire(now_s)) is not None]
-        self._waiting = deque(s for s in self._waiting if not s.is_finished)
-        outputs += [o for seq in self._running if not seq.is_finished and (o := seq.expire(now_s))]
-        self._end_batch_if_done()
-        return outputs
-
-    def num_free_slots(self) -> int:
-        return max(0, self.max_batch_size - len(self._waiting) - len(self._running))
-
-    def num_waiting_by_tenant(self) -> Counter[str]:
-        return Counter(seq.tenant_id for seq in self._waiting)
-
-    def starting_soon(self, tenant_ids: Iterable[str]) -> set[str]:
-        return set()  # a static batch runs to its end
-
-    def take_service_updates(self) -> ServiceUpdates:
-        return ServiceUpdates()
-
-    def apply_pool_service(self, counters: Mapping[str, float]) -> None:
-        pass  # arrival order
-
-    def unstarted_request_ids(self) -> list[str]:
-        return [seq.request_id for seq in self._waiting]
-
-    def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(len(self._running), len(self._waiting), self.max_batch_size)
-
-    def step(self) -> list[SequenceOutput]:
-        if self._batch is None:
-            if not self._waiting:
-                return []
-            return self._start_batch()
-        token_ids = self._batch.decode(self._last_token_ids)
-        return self._collect(token_ids)
-
-    def _start_batch(self) -> list[SequenceOutput]:
-        count = min(self.max_batch_size, len(self._waiting))
-        self._running = [self._waiting.popleft() for _ in range(count)]
-        for seq in self._running:
-            seq.status = SequenceStatus.RUNNING
-        self._batch = PaddedBatch(
-            self._loaded,
-            [seq.prompt_token_ids for seq in self._running],
-            [seq.sampling for seq in self._running],
-        )
-        return self._collect(self._batch.prefill())
-
-    def _collect(self, sampled: list[int | SamplingFailure]) -> list[SequenceOutput]:
-        outputs = []
-        token_ids = []
-        for seq, token in zip(self._running, sampled, strict=True):
-            if isinstance(token, SamplingFailure):
-                if not seq.is_finished:
-                    outputs.append(seq.refuse(ErrorCode.SAMPLING_ERROR, token.message))
-                token = self._loaded.pad_token_id  # the row keeps its slot till the batch ends
-            elif not seq.is_finished:
-                outputs.append(seq.append_token(token))
-            token_ids.append(token)
-        self._last_token_ids = token_ids
-        self._end_batch_if_done()
-        return outputs
-
-    def _end_batch_if_done(self) -> None:
-        if self._running and all(seq.is_finished for seq in self._running):
-            self._running = []
-            self._batch = None
-
-
 class StepRunner(Protocol):
     """What the continuous engine needs of its runner: `ModelRunner`, or a stand-in such as
-    the benchmark's virtual-time `bench.simulate.CostRunner`."""
+    the echo engine's `EchoRunner` or the benchmark's virtual-time
+    `bench.simulate.CostRunner`."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -287,20 +178,28 @@ class ContinuousBatchingEngine:
             max_num_seqs=scheduler.config.max_num_seqs,
             max_num_tokens_per_sequence=scheduler.kv_cache.max_num_tokens_per_sequence,
             kv_cache_usage=round(scheduler.kv_cache.usage, 4),
+            kv_cache_waste=_rounded(scheduler.kv_cache.waste(scheduler.running)),
             kv_cache_blocks=scheduler.kv_cache.num_blocks,
             num_preemptions=scheduler.num_preemptions,
             num_preemptions_by_tenant=dict(scheduler.num_preemptions_by_tenant),
+            prefix_cache_queried_tokens=scheduler.kv_cache.num_queried_tokens,
+            prefix_cache_hit_tokens=scheduler.kv_cache.num_hit_tokens,
         )
 
     def step(self) -> list[SequenceOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        started_s = time.perf_counter()
         try:
             sampled = self._runner.execute(out.batch())
         except Exception as exc:  # one request may break the model: find it, spare the rest
             log.exception("model step failed for %d sequences", len(out.chunks))
             return self._released(self.scheduler.step_failed(out, f"{type(exc).__name__}"))
+        seconds = time.perf_counter() - started_s
+        self.scheduler.budget.observe(
+            out.num_batched_tokens, out.token_budget, bool(out.decodes), seconds
+        )
         failed = self._take_out_failed_samples(out, sampled)
         token_ids = [NO_TOKEN if isinstance(t, SamplingFailure) else t for t in sampled]
         outputs = self.scheduler.postprocess(out, token_ids)
@@ -332,3 +231,7 @@ class ContinuousBatchingEngine:
             log.warning("sampling failed for %d of %d sequences", len(failed), len(sampling))
             self.scheduler.abort({seq.request_id for seq, _ in failed})
         return failed
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

@@ -46,6 +46,9 @@ class QueuePolicy(WaitingQueue, Protocol):
     served as computed)."""
 
     counters: TenantCounters
+    # Whether a step that admits a newcomer's prompt (a tenant with nothing running) takes
+    # no prompt work of the running tenants (`Scheduler._is_held_back`).
+    shortens_newcomer_steps: bool
 
     def step_priority(self, running: list[Sequence]) -> Callable[[Sequence], SortKey]:
         """Sort key of one step's work, running and waiting, given what is running."""
@@ -67,6 +70,8 @@ class QueuePolicy(WaitingQueue, Protocol):
 
 
 class FairQueue:
+    shortens_newcomer_steps = True
+
     def __init__(
         self, quantum_tokens: int = DEFAULT_QUANTUM_TOKENS, burst_tokens: int | None = None
     ) -> None:
@@ -281,6 +286,8 @@ class FairQueue:
 class FifoQueue:
     """Arrival order, tenants ignored: the baseline fair queuing is measured against. Entries
     pulled from several tenants' streams at once are merged by arrival time."""
+
+    shortens_newcomer_steps = False
 
     def __init__(self) -> None:
         self._waiting: deque[Sequence] = deque()

@@ -1,4 +1,5 @@
-"""Worker intake: read the model's tenant streams through the `workers` consumer group.
+"""Worker intake: read the tenant streams of the model version it serves through the `workers`
+consumer group.
 
 A worker pulls only what it can start soon, so that it never hoards work another worker
 could serve, yet its fair queue sees every waiting tenant (`plan_pull`): when it has `n`
@@ -93,14 +94,14 @@ class Intake:
     def __init__(
         self,
         redis: aioredis.Redis,
-        model: str,
+        deployment: str,
         consumer: str,
         *,
         is_fair: bool = True,
         preferred_tenants: frozenset[str] = frozenset(),
     ) -> None:
         self._redis = redis
-        self._model = model
+        self._deployment = deployment  # `model@version`: its streams are this version's
         self._consumer = consumer
         self._is_fair = is_fair
         self._preferred = preferred_tenants
@@ -228,12 +229,12 @@ class Intake:
         await stream_queue.ack(self._redis, entry.stream, entry.entry_id)
 
     async def _streams(self) -> dict[str, str]:
-        """Tenant id -> that tenant's stream for this model."""
+        """Tenant id -> that tenant's stream for this model version."""
         tenants = sorted(
             text(t)
-            for t in await self._redis.smembers(keys.model_tenants(self._model))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
+            for t in await self._redis.smembers(keys.model_tenants(self._deployment))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
         )
-        streams = {tenant: keys.tenant_stream(self._model, tenant) for tenant in tenants}
+        streams = {tenant: keys.tenant_stream(self._deployment, tenant) for tenant in tenants}
         for stream in streams.values():
             if stream not in self._streams_with_group:
                 await self._ensure_group(stream)

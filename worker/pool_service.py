@@ -1,5 +1,7 @@
-"""The pool's tenant service counters: one per tenant and model, in Redis, shared by every
-worker serving the model, so that weighted fair queuing holds for the pool as a whole.
+"""The pool's tenant service counters: one per tenant and model version, in Redis, shared by
+every worker serving the version, so that weighted fair queuing holds for the pool as a whole.
+(Per version, not per model: each version's workers are a pool of their own, with queues of
+their own; a tenant's share is kept within each.)
 
 Each worker's fair queue counts the tokens it computes per unit of its tenants' weights
 (VTC's counters, `worker/fair_queue.py`). Kept per process, as a router-level DRR keeps its
@@ -72,8 +74,8 @@ def merge_service(counters: dict[str, float], updates: ServiceUpdates) -> None:
 class PoolService:
     """One worker's end of the pool's counters."""
 
-    def __init__(self, redis: aioredis.Redis, model: str) -> None:
-        self._key = keys.tenant_service(model)
+    def __init__(self, redis: aioredis.Redis, deployment: str) -> None:
+        self._key = keys.tenant_service(deployment)  # the model version's pool
         self._sync = redis.register_script(_SYNC_LUA)
         self._unsent = ServiceUpdates()  # updates of syncs that did not get through
         self.last_sync_s = 0.0  # how long the last sync took (a metric)

@@ -6,6 +6,8 @@ so an entry stays idle longer than the heartbeat timeout only when its worker ha
 
 - the journal says the request has ended (its worker died between ending it and
   acknowledging the entry): acknowledge it;
+- its end was claimed and never completed (its worker died in between): the end is taken
+  over and completed here, with `worker_lost`;
 - the request had started (its journal holds events): it cannot be continued elsewhere
   without repeating or losing tokens the client has seen, so it ends with `worker_lost`,
   its delivered tokens recorded once (`shared/ending.py`);
@@ -72,9 +74,12 @@ class Reclaimer:
             if owner and owner != self._worker_id and await self._is_alive(owner):
                 await self._intake.give_to(entry, owner)  # idle, not dead (a broker outage)
                 continue
-            if await self._journal.is_done(request_id):
+            if await self._journal.is_ended(request_id):
                 await stream_queue.ack(self._redis, entry.stream, entry.entry_id)
-            elif await self._journal.last_seq(request_id) >= 0:
+            elif await self._journal.is_done(request_id) or (
+                await self._journal.last_seq(request_id) >= 0
+            ):
+                # Started, or its end claimed by its dead worker and never completed.
                 await end_request(
                     self._redis,
                     self._journal,
@@ -82,6 +87,7 @@ class Reclaimer:
                     (entry.stream, entry.entry_id),
                     WORKER_LOST,
                     claimer=self._worker_id,
+                    take_over_after_s=self._timeout_ms / 1000,
                 )
             else:
                 to_serve.append(entry)

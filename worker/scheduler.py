@@ -17,6 +17,7 @@ from worker.kv_cache import KVCacheManager
 from worker.preemption import PreemptionPolicy
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
 from worker.step_batch import ChunkInput, StepBatch
+from worker.token_budget import TokenBudget
 
 
 @dataclass(slots=True)
@@ -50,6 +51,12 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt chunks, or recompute
     preempted: list[Sequence] = field(default_factory=list)
+    token_budget: int = 0  # the step's budget (`TokenBudget.for_step`)
+    # The tenants with work running when the step began, and whether the step admitted a
+    # newcomer (another tenant's sequence): then it takes no more prompt work of theirs
+    # (`Scheduler._is_held_back`).
+    running_tenants: frozenset[str] = frozenset()
+    has_newcomer: bool = False
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -79,7 +86,11 @@ MIN_PREFILL_CHUNK = 16
 class SchedulerConfig:
     # Given by the engine's settings (`worker/config.py`, where the defaults live).
     max_num_seqs: int
-    max_num_batched_tokens: int  # token budget per step: bounds step time, so decode ITL
+    max_num_batched_tokens: int  # token budget of a step beside decodes: bounds decode ITL
+    # The budget of a step in which no sequence decodes (None: the same), and the ITL
+    # target that adapts the budget beside decodes (None: fixed). `worker/token_budget.py`.
+    max_num_prefill_tokens: int | None = None
+    itl_target_s: float | None = None
     # A prefill chunk's attention costs (chunk tokens x context): late chunks of a long prompt
     # are cut so that product stays under this (256 x 512), or one 256-token chunk at 2,048
     # tokens of context makes its step 4x a decode step (docs/benchmarks.md).
@@ -109,6 +120,9 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting = waiting
         self.policy = policy
+        self.budget = TokenBudget(
+            config.max_num_batched_tokens, config.max_num_prefill_tokens, config.itl_target_s
+        )
         self.running: list[Sequence] = []
         self.num_preemptions_by_tenant: Counter[str] = Counter()
         # Sequences of a failed step, each to be run alone until the one at fault is found.
@@ -170,23 +184,27 @@ class Scheduler:
             self.suspects.popleft()
         if self.suspects:
             return self._schedule_alone(self.suspects[0])
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        has_decodes = any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+        out = SchedulerOutput(
+            token_budget=self.budget.for_step(has_decodes),
+            running_tenants=frozenset(seq.tenant_id for seq in self.running),
+        )
+        budget = out.token_budget
         scheduled: set[int] = set()
         if (displacer := self._displace(out)) is not None:
             self.waiting.remove(displacer)
             self._admit(displacer, budget, scheduled, out)
-            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            budget = out.token_budget - out.num_batched_tokens
         can_admit = True
         priority = self.waiting.step_priority(self.running)
         for seq in sorted(self.running, key=priority):
             while can_admit and budget > 0 and self._is_waiting_ahead_of(seq, priority):
                 can_admit = self._admit_next(budget, scheduled, out)
-                budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+                budget = out.token_budget - out.num_batched_tokens
             budget = self._schedule_running(seq, budget, scheduled, out)
         while can_admit and budget > 0:
             can_admit = self._admit_next(budget, scheduled, out)
-            budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+            budget = out.token_budget - out.num_batched_tokens
         self._check_invariants(out)
         return out
 
@@ -230,12 +248,27 @@ class Scheduler:
                 self.suspects.append(seq)
         return []
 
+    def _is_held_back(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """A step that admits a newcomer's prompt takes no prompt work of the tenants
+        already running (their decodes still run): the newcomer's first token then waits
+        for the step in flight and one short step, not for a step filled with a burst's
+        prompt chunks, which on a CPU costs time in proportion to its tokens
+        (test_tenant_scheduler: a newcomer's prompt step carries no other tenant's prompt
+        work; the burst-fill scenario)."""
+        return (
+            out.has_newcomer
+            and seq.tenant_id in out.running_tenants
+            and seq.num_tokens - seq.num_computed_tokens > 1
+        )
+
     def _schedule_running(
         self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput
     ) -> int:
         """Schedule `seq`'s next tokens within `budget`; the budget left."""
         if budget == 0 or seq.status is not SequenceStatus.RUNNING or id(seq) in scheduled:
             return budget  # out of budget, preempted earlier in this step, or admitted in it
+        if self._is_held_back(seq, out):
+            return budget
         num_new = self._chunk_size(seq, budget)
         if not self._make_room(seq, num_new, scheduled, out):
             return budget
@@ -274,21 +307,25 @@ class Scheduler:
         seq = self.waiting.peek()
         if seq is None or out.preempted or not self._has_room_for(seq):
             return False
+        if self._is_held_back(seq, out):
+            return False
         self.waiting.pop()
         self._admit(seq, budget, scheduled, out)
         return True
 
     def _admit(self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput) -> None:
+        # Its cached prefix is computed already and costs nothing: only the rest is charged.
+        seq.num_computed_tokens = seq.num_charged_tokens = self.kv_cache.admit(seq)
         self._charge(seq, seq.num_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._schedule_chunk(seq, self._chunk_size(seq, budget), out)
         scheduled.add(id(seq))
+        if self.waiting.shortens_newcomer_steps and seq.tenant_id not in out.running_tenants:
+            out.has_newcomer = True
 
     def _has_room_for(self, seq: Sequence) -> bool:
-        return len(self.running) < self.config.max_num_seqs and (
-            self.kv_cache.num_blocks_for(seq.num_tokens) <= self.kv_cache.num_free_blocks
-        )
+        return len(self.running) < self.config.max_num_seqs and self.kv_cache.can_admit(seq)
 
     def _displace(self, out: SchedulerOutput) -> Sequence | None:
         """When the batch is full (no slot, or too few free KV blocks), make room for the
@@ -313,7 +350,7 @@ class Scheduler:
             candidates.remove(victim)
             victims.append(victim)
             num_slots -= 1
-            num_blocks -= len(victim.block_table)
+            num_blocks -= self.kv_cache.num_freed_by(victim)
         if num_slots > 0 or num_blocks > 0:
             return None
         for victim in victims:
@@ -351,6 +388,7 @@ class Scheduler:
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens = chunk.end
             chunk.seq.num_computed_total += chunk.num_new_tokens
+            self.kv_cache.seal(chunk.seq, chunk.start)
             self.waiting.counters.served(chunk.seq, chunk.num_new_tokens)
             self._charge(chunk.seq, chunk.end)  # decodes; prefill was charged at admission
         if self.suspects and [c.seq for c in out.chunks] == [self.suspects[0]]:
@@ -406,8 +444,6 @@ class Scheduler:
     def _check_invariants(self, out: SchedulerOutput) -> None:
         if len({id(chunk.seq) for chunk in out.chunks}) != len(out.chunks):
             raise RuntimeError("a sequence scheduled twice in one step")
-        num_held = sum(len(seq.block_table) for seq in self.running)
-        if num_held + self.kv_cache.num_free_blocks != self.kv_cache.num_blocks:
-            raise RuntimeError("KV blocks leaked or double-freed")
+        self.kv_cache.check(self.running)
         if any(seq.block_table for seq in self.waiting):
             raise RuntimeError("a waiting sequence holds KV blocks")

@@ -58,6 +58,7 @@ class Sequence:
     # Continuous batching: how many of this sequence's tokens are in the KV cache, and where.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix caching: full blocks'
     num_preemptions: int = 0
     # Fair queuing: tokens of this pass charged to the tenant, and all tokens ever computed
     # (prompt, decodes and recompute after preemptions).

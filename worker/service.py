@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -26,14 +27,15 @@ from redis.exceptions import RedisError
 from shared import keys, model_source
 from shared.ending import end_request, failed
 from shared.journal import Journal
+from shared.pool_assignments import POOL_DEDICATED, POOL_SHARED
 from shared.protocol import ErrorCode, decode_cancel
 from shared.redis_conn import BROKER_ERRORS, async_client, retrying, text
 from shared.settings import Settings
 from shared.tables import ModelDeployment
-from worker import telemetry
+from worker import echo_engine, telemetry
 from worker.config import EngineConfig
 from worker.detokenizer import Decoder
-from worker.engine import Engine, EngineStats, build_engine
+from worker.engine import Engine, EngineStats
 from worker.intake import Intake, StreamEntry
 from worker.pool_service import PoolService
 from worker.publisher import Publisher
@@ -57,6 +59,13 @@ class WorkerConfig:
     # (`worker/pool_service.py`), or each worker's own.
     fairness_scope: str = "pool"
     preferred_tenants: frozenset[str] = frozenset()  # tenant affinity (`worker/intake.py`)
+    # `dedicated` to its model, or `shared` (`worker/pool_member.py`): then the models it may
+    # serve, which the control process chooses among (`control/pool.py`).
+    pool: str = POOL_DEDICATED
+    pool_models: tuple[str, ...] = ()
+    # Fault injection, for tests only (`LLMFLEET_FAULT_STEP_DELAY_MS`): wait this long before
+    # each engine step, a deliberately slow version.
+    fault_step_delay_s: float = 0.0
 
 
 def is_fair(config: EngineConfig) -> bool:
@@ -76,14 +85,32 @@ class _Serving:
     eos_token_ids: frozenset[int]
 
 
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 class Worker:
     def __init__(
-        self, settings: Settings, deployment: ModelDeployment, config: WorkerConfig
+        self,
+        settings: Settings,
+        deployment: ModelDeployment,
+        config: WorkerConfig,
+        *,
+        worker_id: str | None = None,
+        load_times_s: dict[str, float] | None = None,
+        keep_heartbeat: bool = False,
     ) -> None:
+        """`worker_id` and `load_times_s` (model id -> seconds its last load took, filled
+        here) are kept across the models a shared worker serves in turn; so is its
+        heartbeat (`keep_heartbeat`: not deleted when `run` returns, the next model's
+        overwrites it), so the worker never looks gone between two models."""
         self._settings = settings
         self._deployment = deployment
         self._config = config
-        self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.worker_id = worker_id or new_worker_id()
+        self._load_times_s = {} if load_times_s is None else load_times_s
+        self._keep_heartbeat = keep_heartbeat
+        self._serving_since_s = time.time()
         self._state = "starting"
         self._stopping = asyncio.Event()
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
@@ -103,7 +130,10 @@ class Worker:
     def stop(self) -> None:
         """Graceful shutdown (SIGTERM): stop pulling, hand the requests that have not started
         back to the queue, let running ones finish within `worker_drain_timeout_s`, end the
-        rest with `worker_shutdown`, then `run` returns."""
+        rest with `worker_shutdown`, then `run` returns. Its heartbeat says `draining`, so
+        the API stops routing new requests of a canary version to it."""
+        if self._state == "ready":
+            self._state = "draining"
         self._stopping.set()
 
     async def run(self) -> None:
@@ -111,12 +141,21 @@ class Worker:
         heartbeat = asyncio.create_task(self._heartbeat(redis))
         try:
             self._state = "loading"
+            # The modules first: a load timed without them is what a shared worker's move to
+            # this model costs (its process has them already), which the pool weighs.
+            await self._on_engine_thread(self._import_loaders)
+            loading_since_s = time.monotonic()
             engine, tokenizer, eos_token_ids = await self._on_engine_thread(self._load)
+            self._load_times_s[self._deployment.model_id] = time.monotonic() - loading_since_s
             self._stats = engine.stats()
-            observed = telemetry.Telemetry(self._deployment.model_id, self._stats.max_num_seqs)
+            observed = telemetry.Telemetry(
+                self._deployment.model_id,
+                self._stats.max_num_seqs,
+                version=self._deployment.version,
+            )
             intake = Intake(
                 redis,
-                self._deployment.model_id,
+                self._deployment.name,
                 self.worker_id,
                 is_fair=is_fair(self._config.engine),
                 preferred_tenants=self._config.preferred_tenants,
@@ -148,7 +187,7 @@ class Worker:
                 )
             )
             self._state = "ready"
-            log.info("worker %s ready for %s", self.worker_id, self._deployment.model_id)
+            log.info("worker %s ready for %s", self.worker_id, self._deployment.name)
             try:
                 await self._loop(serving)
                 await self._end_unfinished(redis, journal, serving)
@@ -158,22 +197,37 @@ class Worker:
                 await publisher.drain()
         finally:
             heartbeat.cancel()
-            await redis.delete(keys.worker_heartbeat(self.worker_id))
-            await redis.zrem(keys.model_capacity(self._deployment.model_id), self.worker_id)
+            if not self._keep_heartbeat:
+                await redis.delete(keys.worker_heartbeat(self.worker_id))
+            await redis.zrem(keys.ready_workers(self._deployment.name), self.worker_id)
+            await redis.zrem(keys.model_capacity(self._deployment.name), self.worker_id)
             await redis.aclose()
 
     def _pool_service(self, redis: aioredis.Redis) -> PoolService | None:
         """The pool's shared service counters, for a fair-queuing worker of pool scope."""
         if is_fair(self._config.engine) and self._config.fairness_scope == "pool":
-            return PoolService(redis, self._deployment.model_id)
+            return PoolService(redis, self._deployment.name)
         return None
 
+    def _import_loaders(self) -> None:
+        """The modules `_load` needs: transformers, and torch for a model (not for echo)."""
+        model_source.import_loaders()
+        if self._config.engine.engine != "echo":
+            import worker.model_engine
+            import worker.runner.loader  # noqa: F401
+
     def _load(self):
+        """The engine, the tokenizer and the end-of-sequence ids. The echo engine loads the
+        tokenizer alone; the model's modules (torch) are imported only for a model."""
+        source = model_source.resolve(self._deployment.source)
+        tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
+        if self._config.engine.engine == "echo":
+            engine = echo_engine.build_echo_engine(self._config.engine, len(tokenizer))
+            return engine, tokenizer, echo_engine.eos_token_ids(tokenizer)
+        from worker.model_engine import build_engine
         from worker.runner import loader
 
-        source = model_source.resolve(self._deployment.source)
         loaded = loader.load(source, self._config.device, self._config.dtype)
-        tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
         return build_engine(loaded, self._config.engine), tokenizer, loaded.eos_token_ids
 
     async def _loop(self, serving: _Serving) -> None:
@@ -244,6 +298,8 @@ class Worker:
         """One engine step; the pool's counters are synced while it computes (what the
         step computes goes with the next sync) and applied once it is done."""
         engine, pool = serving.engine, serving.pool
+        if self._config.fault_step_delay_s:
+            await asyncio.sleep(self._config.fault_step_delay_s)
         sync = asyncio.create_task(pool.sync(engine.take_service_updates())) if pool else None
         report = await self._on_engine_thread(functools.partial(telemetry.timed_step, engine))
         serving.telemetry.stepped(report)
@@ -251,7 +307,7 @@ class Worker:
         if pool is not None and sync is not None and (counters := await sync) is not None:
             engine.apply_pool_service(counters)
             pool_sync_s = serving.telemetry.metrics.pool_sync_s
-            pool_sync_s.labels(self._deployment.model_id).observe(pool.last_sync_s)
+            pool_sync_s.labels(*serving.telemetry.labels).observe(pool.last_sync_s)
         return report.outputs
 
     async def _pull(self, intake: Intake, block_ms: int | None, engine):
@@ -342,27 +398,45 @@ class Worker:
             self._reclaimed += await reclaimer.reclaim()
 
     async def _beat(self, redis: aioredis.Redis, key: str, interval_s: float) -> None:
-        model = self._deployment.model_id
+        deployment, name = self._deployment, self._deployment.name
+        now_s = time.time()
         fields = {
-            "model": model,
+            "model": deployment.model_id,
+            "version": deployment.version,
+            "deployment_id": deployment.id or 0,
             "state": self._state,
             "pid": os.getpid(),
             "batching": self._config.engine.batching,
-            "updated_at": time.time(),
+            "pool": self._config.pool,
+            "serving_since": self._serving_since_s,
+            "updated_at": now_s,
             **(self._stats.heartbeat_fields() if self._stats is not None else {}),
         }
+        if self._load_times_s:  # the shared pool's policy weighs a move against loads
+            fields["load_s"] = json.dumps(self._load_times_s)
+        if self._config.pool == POOL_SHARED:
+            fields["pool_models"] = ",".join(self._config.pool_models)
+        ready = keys.ready_workers(name)
         async with redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)  # all of it anew: a shared worker's last model left fields
             pipe.hset(key, mapping=fields)
             pipe.expire(key, max(1, math.ceil(self._heartbeat_timeout_s)))
             capacity = self._stats.max_num_tokens_per_sequence if self._stats else None
             if capacity is not None:
-                pipe.zadd(keys.model_capacity(model), {self.worker_id: capacity})
+                pipe.zadd(keys.model_capacity(name), {self.worker_id: capacity})
+            # The API routes to a version only while it has a ready worker (`api/router.py`);
+            # a draining one takes no new work, and a dead one's score goes stale.
+            if self._state == "ready":
+                pipe.zadd(ready, {self.worker_id: now_s})
+            else:
+                pipe.zrem(ready, self.worker_id)
+            pipe.zremrangebyscore(ready, "-inf", now_s - self._heartbeat_timeout_s)
             await pipe.execute()
-        await self._forget_dead_workers(redis, model)
+        await self._forget_dead_workers(redis, name)
 
-    async def _forget_dead_workers(self, redis: aioredis.Redis, model: str) -> None:
+    async def _forget_dead_workers(self, redis: aioredis.Redis, name: str) -> None:
         """Drop capacity entries of workers whose heartbeat expired (they died uncleanly)."""
-        for member in await redis.zrange(keys.model_capacity(model), 0, -1):
+        for member in await redis.zrange(keys.model_capacity(name), 0, -1):
             worker_id = text(member)
             if not await redis.exists(keys.worker_heartbeat(worker_id)):
-                await redis.zrem(keys.model_capacity(model), worker_id)
+                await redis.zrem(keys.model_capacity(name), worker_id)

@@ -3,9 +3,10 @@
 The scheduler decides a step over live sequences (`SchedulerOutput`); `SchedulerOutput.batch`
 copies out what the forward pass needs: for each chunk its token ids, the position of the
 first, the sequence's KV block ids and, when the chunk reaches the sequence's last token,
-its sampling parameters. The runner (`worker/runner/model_runner.py`, or the benchmark's
-`bench.simulate.CostRunner`) returns one token per sampling chunk, in `StepBatch.chunks`
-order, which is `SchedulerOutput.chunks` order too.
+its sampling parameters. The runner (`worker/runner/model_runner.py`, the echo engine's
+`worker.echo_engine.EchoRunner`, or the benchmark's `bench.simulate.CostRunner`) returns
+one token per sampling chunk, in `StepBatch.chunks` order, which is `SchedulerOutput.chunks`
+order too, or that chunk's `SamplingFailure`.
 """
 
 from __future__ import annotations
@@ -47,3 +48,10 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFailure:
+    """A row that could not be sampled, and why; the step's other rows are unaffected."""
+
+    message: str

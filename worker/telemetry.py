@@ -9,8 +9,10 @@ running and waiting sequences, preemptions. Arrival is the API's admission time
 (`QueuedRequest.arrival_ts`), so TTFT includes the Redis queue, as a client sees it; across
 machines it assumes synced clocks. Every call comes from the event loop, between steps.
 
-`export` serves the metrics on the worker's `--metrics-port` and pushes TTFT and ITL samples
-to the model's latency window in Redis (`shared/latency_window.py`) once a second.
+`export` serves the metrics on the worker's `--metrics-port` and pushes TTFT and ITL samples,
+and one sample per ended request saying whether it failed, to the version's window in Redis
+(`shared/latency_window.py`) once a second: `llmfleet status` and the rollout loop's health
+check (`control/rollouts.py`) read them.
 """
 
 from __future__ import annotations
@@ -21,20 +23,18 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError
 
 from shared import latency_window
+from shared.keys import deployment_name
 from shared.latency_window import Sample
 from shared.metrics import WorkerMetrics
-from shared.protocol import FinishReason
+from shared.protocol import CLIENT_ERROR_CODES, FinishReason
+from worker.engine import Engine, EngineStats
 from worker.sequence import Sequence, SequenceOutput, SequenceStatus
-
-if TYPE_CHECKING:  # worker.engine imports the model runner, so torch
-    from worker.engine import Engine, EngineStats
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -50,9 +50,23 @@ class _Timing:
 
 
 @dataclass(slots=True)
-class _PendingSamples:
+class Samples:
+    """Samples taken since the last push, by kind of window (`latency_window.KINDS`)."""
+
     ttft: list[Sample] = field(default_factory=list)
     itl: list[Sample] = field(default_factory=list)
+    failed: list[Sample] = field(default_factory=list)  # 1.0: the request failed, 0.0: not
+
+
+def is_failure(output: SequenceOutput) -> bool:
+    """Whether an ended request counts against its version's health: an error of the
+    server's making, or a deadline passed while it ran; not a client's invalid input, nor
+    a cancel."""
+    if output.finish_reason is FinishReason.DEADLINE:
+        return True
+    if output.finish_reason is not FinishReason.ERROR:
+        return False
+    return output.error is None or output.error.code not in CLIENT_ERROR_CODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,22 +89,33 @@ def timed_step(engine: Engine, clock: Callable[[], float] = time.time) -> StepRe
 class Telemetry:
     """Metrics and latency samples of one worker's engine, fed by the worker loop."""
 
-    def __init__(self, model: str, max_num_seqs: int, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        model: str,
+        max_num_seqs: int,
+        clock: Callable[[], float] = time.time,
+        *,
+        version: str = "1",
+    ):
         self.model = model
+        self.version = version
+        self.deployment_name = deployment_name(model, version)
+        self.labels = (model, version)  # every series of a worker's
         self._max_num_seqs = max_num_seqs
         self._clock = clock
         self.metrics = WorkerMetrics()
-        self.metrics.max_num_seqs.labels(model).set(max_num_seqs)
+        self.metrics.max_num_seqs.labels(*self.labels).set(max_num_seqs)
         self._timings: dict[str, _Timing] = {}
-        self._samples = _PendingSamples()
+        self._samples = Samples()
         self._num_preemptions_seen: Counter[str] = Counter()
+        self._prefix_seen = (0, 0)  # the engine's prefix-cache counters last counted
 
     def added(self, seq: Sequence, refused: SequenceOutput | None) -> None:
         """`seq` was given to the engine, which took it, or refused it at once."""
         if refused is None:
             self._timings[seq.request_id] = _Timing(seq)
         else:
-            self._count_end(str(seq.tier), refused)
+            self._count_end(str(seq.tier), refused, self._clock())
 
     def ended(self, outputs: list[SequenceOutput]) -> None:
         """Outputs from outside a step: cancels and expired deadlines."""
@@ -103,24 +128,25 @@ class Telemetry:
             self._timings.pop(request_id, None)
 
     def stepped(self, report: StepReport) -> None:
-        m, model, stats = self.metrics, self.model, report.stats
-        m.engine_step_duration_s.labels(model).observe(report.duration_s)
+        m, labels, stats = self.metrics, self.labels, report.stats
+        m.engine_step_duration_s.labels(*labels).observe(report.duration_s)
         num_finished = sum(o.is_finished for o in report.outputs)
         # Capped: the static engine keeps finished rows in its batch until the batch ends.
         batch_size = min(stats.num_running + num_finished, self._max_num_seqs)
-        m.batch_size.labels(model).observe(batch_size)
-        m.num_requests_running.labels(model).set(stats.num_running)
-        m.num_requests_waiting.labels(model).set(stats.num_waiting)
+        m.batch_size.labels(*labels).observe(batch_size)
+        m.num_requests_running.labels(*labels).set(stats.num_running)
+        m.num_requests_waiting.labels(*labels).set(stats.num_waiting)
         if stats.kv_cache_usage is not None:
-            m.kv_cache_usage.labels(model).set(stats.kv_cache_usage)
+            m.kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
         self._count_preemptions(stats.num_preemptions_by_tenant)
+        self._count_prefix_cache(stats)
         self._mark_started(report.started_s)
         self._observe_outputs(report.outputs, report.started_s + report.duration_s)
 
-    def take_samples(self) -> tuple[list[Sample], list[Sample]]:
-        """TTFT and ITL samples since the last call."""
-        samples, self._samples = self._samples, _PendingSamples()
-        return samples.ttft, samples.itl
+    def take_samples(self) -> Samples:
+        """The samples since the last call."""
+        samples, self._samples = self._samples, Samples()
+        return samples
 
     def _mark_started(self, step_started_s: float) -> None:
         """Queue time of the sequences this step ran for the first time."""
@@ -128,7 +154,7 @@ class Telemetry:
             if timing.started_s is None and timing.seq.status is not SequenceStatus.WAITING:
                 timing.started_s = step_started_s
                 tier = str(timing.seq.tier)
-                self.metrics.request_queue_time_s.labels(self.model, tier).observe(
+                self.metrics.request_queue_time_s.labels(*self.labels, tier).observe(
                     max(0.0, step_started_s - timing.seq.arrival_s)
                 )
 
@@ -144,16 +170,16 @@ class Telemetry:
                 self._observe_end(timing, output, now_s)
 
     def _observe_token(self, timing: _Timing, output: SequenceOutput, now_s: float) -> None:
-        m, model, tier = self.metrics, self.model, str(timing.seq.tier)
-        m.generation_tokens.labels(model).inc(output.num_new_tokens)
+        m, labels, tier = self.metrics, self.labels, str(timing.seq.tier)
+        m.generation_tokens.labels(*labels).inc(output.num_new_tokens)
         if timing.last_token_s is None:
             ttft_s = max(0.0, now_s - timing.seq.arrival_s)
-            m.time_to_first_token_s.labels(model, tier).observe(ttft_s)
-            m.prompt_tokens.labels(model).inc(output.num_prompt_tokens)
+            m.time_to_first_token_s.labels(*labels, tier).observe(ttft_s)
+            m.prompt_tokens.labels(*labels).inc(output.num_prompt_tokens)
             self._samples.ttft.append(Sample(now_s, ttft_s))
         else:
             itl_s = now_s - timing.last_token_s
-            m.inter_token_latency_s.labels(model, tier).observe(itl_s)
+            m.inter_token_latency_s.labels(*labels, tier).observe(itl_s)
             self._samples.itl.append(Sample(now_s, itl_s))
         timing.last_token_s = now_s
 
@@ -161,8 +187,8 @@ class Telemetry:
         seq = timing.seq
         if output.finish_reason in FINISHED_OK:
             e2e_s = max(0.0, now_s - seq.arrival_s)
-            self.metrics.e2e_request_latency_s.labels(self.model, str(seq.tier)).observe(e2e_s)
-        self._count_end(str(seq.tier), output)
+            self.metrics.e2e_request_latency_s.labels(*self.labels, str(seq.tier)).observe(e2e_s)
+        self._count_end(str(seq.tier), output, now_s)
         # One line per request, for log search; no prompt or output text.
         log.info(
             "request finished",
@@ -170,6 +196,8 @@ class Telemetry:
                 "request_id": seq.request_id,
                 "tenant_id": seq.tenant_id,
                 "model": self.model,
+                "version": self.version,
+                "deployment": self.deployment_name,
                 "tier": seq.tier,
                 "finish_reason": output.finish_reason,
                 "num_prompt_tokens": output.num_prompt_tokens,
@@ -179,15 +207,23 @@ class Telemetry:
             },
         )
 
-    def _count_end(self, tier: str, output: SequenceOutput) -> None:
+    def _count_end(self, tier: str, output: SequenceOutput, now_s: float) -> None:
         reason = output.finish_reason or "unknown"
-        self.metrics.request_success.labels(self.model, tier, reason).inc()
+        self.metrics.request_success.labels(*self.labels, tier, reason).inc()
+        self._samples.failed.append(Sample(now_s, 1.0 if is_failure(output) else 0.0))
+
+    def _count_prefix_cache(self, stats: EngineStats) -> None:
+        queried, hits = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
+        m, labels = self.metrics, self.labels
+        m.prefix_cache_queries.labels(*labels).inc(queried - self._prefix_seen[0])
+        m.prefix_cache_hits.labels(*labels).inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queried, hits)
 
     def _count_preemptions(self, by_tenant: dict[str, int]) -> None:
         for tenant, total in by_tenant.items():
             if total > self._num_preemptions_seen[tenant]:
                 delta = total - self._num_preemptions_seen[tenant]
-                self.metrics.num_preemptions.labels(self.model, tenant).inc(delta)
+                self.metrics.num_preemptions.labels(*self.labels, tenant).inc(delta)
                 self._num_preemptions_seen[tenant] = total
 
 
@@ -220,10 +256,11 @@ async def export(
 
 
 async def push_samples(telemetry: Telemetry, redis: aioredis.Redis) -> None:
-    ttft, itl = telemetry.take_samples()
+    samples, name = telemetry.take_samples(), telemetry.deployment_name
     try:
-        await latency_window.push(redis, telemetry.model, "ttft", ttft)
-        await latency_window.push(redis, telemetry.model, "itl", itl)
+        await latency_window.push(redis, name, "ttft", samples.ttft)
+        await latency_window.push(redis, name, "itl", samples.itl)
+        await latency_window.push(redis, name, "failed", samples.failed)
     except (RedisError, OSError) as exc:
         # The broker may be restarting; these samples are lost, the histograms keep them.
         log.warning("could not push latency samples: %s", exc)

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from api import broker
+from api.subscriber import Subscriber
 from shared import keys
 from shared.journal import Journal
 from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage, encode_event
@@ -18,6 +19,19 @@ from tests.factories import make_request
 @pytest.fixture
 def journal(aredis) -> Journal:
     return Journal(aredis, ttl_s=60)
+
+
+@pytest.fixture
+async def subscriber(aredis):
+    subscriber = Subscriber(aredis, num_connections=2, max_num_buffered=64)
+    subscriber.start()
+    yield subscriber
+    await subscriber.aclose()
+
+
+def _broker(aredis, journal, subscriber, idle_check_s: float = 0.2) -> broker.Broker:
+    timing = broker.StreamTiming(idle_check_s=idle_check_s, lost_after_s=6.0)
+    return broker.Broker(aredis, journal, subscriber, timing)
 
 
 def _token(seq: int, text: str = "x") -> TokenEvent:
@@ -56,11 +70,9 @@ async def test_one_end_and_nothing_after_it(journal):
     assert await journal.is_done(rid)
 
 
-async def _subscription(aredis, journal, rid: str, idle_check_s: float = 0.2):
+async def _subscription(aredis, journal, subscriber, rid: str):
     info = broker.RequestInfo(rid, "tenant", "model", "completion", 0)
-    pubsub = await broker._subscribe(aredis, rid)
-    timing = broker.StreamTiming(idle_check_s=idle_check_s, lost_after_s=6.0)
-    return broker.Subscription(info, pubsub, aredis, journal, timing)
+    return await _broker(aredis, journal, subscriber).resume(info, 0)
 
 
 async def _collect(subscription) -> list:
@@ -73,9 +85,9 @@ async def _collect(subscription) -> list:
         await subscription.close(cancel_if_unfinished=False)
 
 
-async def test_a_reader_fills_what_pub_sub_dropped_from_the_journal(journal, aredis):
+async def test_a_reader_fills_what_pub_sub_dropped_from_the_journal(journal, aredis, subscriber):
     rid = uuid.uuid4().hex
-    subscription = await _subscription(aredis, journal, rid)
+    subscription = await _subscription(aredis, journal, subscriber, rid)
     # Events 0 and 1 reach the journal but their PUBLISH is lost; 2 arrives by pub/sub.
     for seq in (0, 1):
         event = encode_event(_token(seq, str(seq)))
@@ -92,9 +104,9 @@ async def test_a_reader_fills_what_pub_sub_dropped_from_the_journal(journal, are
     ]
 
 
-async def test_a_reader_finds_an_end_that_was_never_published(journal, aredis):
+async def test_a_reader_finds_an_end_that_was_never_published(journal, aredis, subscriber):
     rid = uuid.uuid4().hex
-    subscription = await _subscription(aredis, journal, rid)
+    subscription = await _subscription(aredis, journal, subscriber, rid)
     assert await journal.append(rid, _token(0))
     # The final event is in the journal, but its PUBLISH never came (a paused subscriber).
     event = encode_event(_final().model_copy(update={"seq": 1}))
@@ -103,11 +115,11 @@ async def test_a_reader_finds_an_end_that_was_never_published(journal, aredis):
     assert [(e.type, e.seq) for e in events] == [("token", 0), ("final", 1)]
 
 
-async def test_a_resumed_reader_starts_after_the_last_event_it_saw(journal, aredis):
+async def test_a_resumed_reader_starts_after_the_last_event_it_saw(journal, aredis, subscriber):
     rid = uuid.uuid4().hex
     for seq in range(3):
         await journal.append(rid, _token(seq, str(seq)))
-    subscription = await _subscription(aredis, journal, rid)
+    subscription = await _subscription(aredis, journal, subscriber, rid)
     subscription.next_seq = 2
     await journal.claim_end(rid, "w")
     await journal.append_end(rid, "w", _final())
@@ -130,21 +142,22 @@ async def test_a_retried_call_is_not_taken_for_a_refusal(journal):
     assert [(e.type, e.seq) for e in events] == [("token", 0), ("final", 1)]
 
 
-async def test_a_retried_enqueue_queues_the_request_once(journal, aredis):
+async def test_a_retried_enqueue_queues_the_request_once(journal, aredis, subscriber):
     # A retry of a submit whose first call ran (a broken connection) must not enqueue twice:
     # the second entry would be served, or acknowledged, as a separate delivery.
     request = make_request(0, [1, 2, 3], 4, tenant_id=f"t-{uuid.uuid4().hex[:8]}")
     request = request.model_copy(update={"request_id": uuid.uuid4().hex})
-    timing = broker.StreamTiming(idle_check_s=0.2, lost_after_s=6.0)
-    first = await broker.submit(aredis, journal, request, timing)
-    second = await broker.submit(aredis, journal, request, timing)
+    first = await _broker(aredis, journal, subscriber).submit(request)
+    second = await _broker(aredis, journal, subscriber).submit(request)
     await first.close(cancel_if_unfinished=False)
     await second.close(cancel_if_unfinished=False)
-    stream = keys.tenant_stream(request.model, request.tenant_id)
+    stream = keys.tenant_stream(request.deployment_name, request.tenant_id)
     entries = await aredis.xrange(stream)
     assert len(entries) == 1
     meta = await journal.meta(request.request_id)
     assert meta["entry_id"] == entries[0][0].decode()
     assert meta["stream"] == stream and meta["num_input_tokens"] == "3"
-    assert request.tenant_id.encode() in await aredis.smembers(keys.model_tenants(request.model))
+    assert request.tenant_id.encode() in await aredis.smembers(
+        keys.model_tenants(request.deployment_name)
+    )
     assert 0 < await aredis.ttl(keys.request_meta(request.request_id)) <= 60

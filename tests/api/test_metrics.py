@@ -8,7 +8,7 @@ from starlette.requests import Request
 
 from api.errors import APIError
 from api.metrics import _check_token
-from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
+from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, RolloutView, WorkerState
 from shared.latency_window import LatencySummary
 from shared.metrics import ApiMetrics
 
@@ -18,15 +18,18 @@ def test_api_exposition_has_rejections_and_fleet_gauges():
     metrics.count_rejection(429, "requests_in_flight_exceeded", "rate_limit_error")
     metrics.count_rejection(400, None, "invalid_request_error")
     metrics.count_rejection(500, None, "server_error")  # not a rejection
-    worker = WorkerState("w1", "m", "ready", heartbeat_age_s=0.5, num_running=2, max_num_seqs=8)
+    worker = WorkerState(
+        "w1", "m", "ready", heartbeat_age_s=0.5, num_running=2, max_num_seqs=8, version="2"
+    )
     snap = ModelSnapshot(
         "m",
         [QueueState("ten_1", num_entries=5, num_pending=2, num_consumers=1)],
         [worker],
         LatencySummary(0, None, None),
         LatencySummary(0, None, None),
+        version="2",
     )
-    text = metrics.exposition(FleetSnapshot(0.0, {"m": snap}, {"ten_1": "acme"})).decode()
+    text = metrics.exposition(FleetSnapshot(0.0, {"m@2": snap}, {"ten_1": "acme"})).decode()
     assert "acme" not in text  # tenants by id only, never by name
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -37,11 +40,12 @@ def test_api_exposition_has_rejections_and_fleet_gauges():
     assert samples[(rejections, (("reason", "requests_in_flight_exceeded"),))] == 1
     assert samples[(rejections, (("reason", "invalid_request_error"),))] == 1
     assert (rejections, (("reason", "server_error"),)) not in samples
-    tenant = (("model", "m"), ("tenant", "ten_1"))
+    version = (("model", "m"), ("version", "2"))  # the model version's series
+    tenant = (*version[:1], ("tenant", "ten_1"), version[1])
     assert samples[("llmfleet_queue_depth", tenant)] == 5
     assert samples[("llmfleet_queue_pending", tenant)] == 2
-    assert samples[("llmfleet_workers", (("model", "m"), ("state", "ready")))] == 1
-    assert samples[("llmfleet_worker_heartbeat_age_seconds", (("model", "m"),))] == 0.5
+    assert samples[("llmfleet_workers", (*version[:1], ("state", "ready"), version[1]))] == 1
+    assert samples[("llmfleet_worker_heartbeat_age_seconds", version)] == 0.5
     assert snap.batch_occupancy == 0.25
 
 
@@ -57,3 +61,26 @@ def test_metrics_token_is_checked():
         with pytest.raises(APIError) as refused:
             _check_token(_request_with(presented), token)
         assert refused.value.status_code == 401
+
+
+def test_rollouts_are_exported_with_every_cause_counted_from_zero():
+    rolled_back = RolloutView("m", "2", "rolled_back", 0.0)
+    running = RolloutView("n", "7", "running", 25.0)
+    fleet = FleetSnapshot(
+        0.0, {}, rollouts=[rolled_back, running], num_rollbacks={("m", "ttft_p99"): 2}
+    )
+    text = ApiMetrics().exposition(fleet).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    state = "llmfleet_rollout_state"
+    assert samples[(state, (("model", "m"), ("state", "rolled_back"), ("version", "2")))] == 1
+    assert samples[(state, (("model", "m"), ("state", "running"), ("version", "2")))] == 0
+    assert samples[(state, (("model", "n"), ("state", "running"), ("version", "7")))] == 1
+    assert samples[("llmfleet_rollout_canary_percent", (("model", "n"), ("version", "7")))] == 25
+    rollbacks = "llmfleet_rollout_rollbacks_total"
+    assert samples[(rollbacks, (("cause", "ttft_p99"), ("model", "m")))] == 2
+    assert samples[(rollbacks, (("cause", "error_rate"), ("model", "m")))] == 0
+    assert samples[(rollbacks, (("cause", "itl_p99"), ("model", "n")))] == 0

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
-from api.streaming import ChunkFormat, sse_events
+from api.broker import Interruption
+from api.streaming import ChunkFormat, _StallWatch, sse_events
 from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage
 
 
 class FakeSubscription:
-    next_seq = 0
+    """Hands out `events`; then, if given, is interrupted (`api/broker.py` `Subscription`)."""
 
-    def __init__(self, events):
+    def __init__(self, events, interruption: Interruption | None = None):
         self._events = events
+        self._interruption = interruption
+        self.info = SimpleNamespace(request_id="cmpl-1")
+        self.next_seq = 0
+        self.is_finished = False
+        self.interruption: Interruption | None = None
         self.is_closed = False
 
     async def events(self):
         for event in self._events:
+            self.next_seq = event.seq + 1
+            self.is_finished = not isinstance(event, TokenEvent)
             yield event
+        self.interruption = self._interruption
 
     async def close(self):
         self.is_closed = True
@@ -27,10 +38,17 @@ def _fmt(is_chat: bool, include_usage: bool = True) -> ChunkFormat:
     return ChunkFormat("cmpl-1", "m", is_chat=is_chat, include_usage=include_usage, created=0)
 
 
-async def _collect(events, fmt) -> tuple[list, FakeSubscription]:
-    sub = FakeSubscription(events)
-    out = [e["data"] async for e in sse_events(sub, fmt)]
-    return [d if d == "[DONE]" else json.loads(d) for d in out], sub
+async def _collect(events, fmt, interruption=None) -> tuple[list, FakeSubscription]:
+    """The data of every SSE event the stream writes, in order."""
+    sub = FakeSubscription(events, interruption)
+    written = b"".join([body async for body in sse_events(sub, fmt)]).decode()
+    data = [
+        line.removeprefix("data: ")
+        for event in written.split("\r\n\r\n")
+        for line in event.split("\r\n")
+        if line.startswith("data: ")
+    ]
+    return [d if d == "[DONE]" else json.loads(d) for d in data], sub
 
 
 async def test_error_event_then_done():
@@ -87,7 +105,54 @@ async def test_the_last_sse_event_of_each_worker_event_carries_its_seq_as_id():
         FinalEvent(seq=2, text="c", finish_reason="length", usage=usage),
     ]
     sub = FakeSubscription(events)
-    out = [e async for e in sse_events(sub, _fmt(is_chat=False))]
+    writes = [body.decode() async for body in sse_events(sub, _fmt(is_chat=False))]
+    sse = [e for write in writes for e in write.split("\r\n\r\n") if e]
+    ids = [next((f[4:] for f in e.split("\r\n") if f.startswith("id: ")), None) for e in sse]
     # the final event makes two chunks (text, usage): only the second carries its id
-    assert [e.get("id") for e in out] == ["0", "1", None, "2", None]
-    assert out[-1]["data"] == "[DONE]"
+    assert ids == ["0", "1", None, "2", None]
+    assert sse[-1] == "data: [DONE]"
+    # one write per token event; the final event's chunks and [DONE] in one
+    assert len(writes) == 3
+
+
+async def test_an_interrupted_stream_says_where_to_resume_then_done():
+    events = [TokenEvent(seq=0, text="Hi", num_tokens=1), TokenEvent(seq=1, text="!", num_tokens=1)]
+    out, sub = await _collect(events, _fmt(is_chat=False), Interruption.API_SHUTDOWN)
+    assert [c["choices"][0]["text"] for c in out[:2]] == ["Hi", "!"]
+    error = out[2]["error"]
+    assert error["code"] == "api_shutdown" and error["type"] == "server_error"
+    assert error["request_id"] == "cmpl-1" and error["last_event_id"] == "1"
+    assert "GET /v1/requests/cmpl-1/events" in error["message"]
+    assert out[3] == "[DONE]" and len(out) == 4
+    assert sub.is_closed
+
+
+async def test_a_stream_interrupted_before_its_first_event_resumes_from_the_start():
+    out, _ = await _collect([], _fmt(is_chat=True), Interruption.API_SHUTDOWN)
+    assert out[0]["error"]["last_event_id"] is None
+    assert out[1] == "[DONE]" and len(out) == 2
+
+
+async def test_a_send_its_client_does_not_take_stalls_the_stream_once_and_still_goes_out():
+    """`_StallWatch`: a send still waiting after the timeout calls `on_stall` once; the
+    message is then sent all the same, and so is every later one, however slow."""
+    sent: list[dict] = []
+    drained = asyncio.Event()
+    num_stalls = 0
+
+    async def send(message):
+        if message["body"] == b"slow":
+            await drained.wait()  # a socket that does not drain until the client reads
+        sent.append(message)
+
+    async def on_stall():
+        nonlocal num_stalls
+        num_stalls += 1
+        drained.set()  # the client reads again, later
+
+    watched = _StallWatch(send, timeout_s=0.05, on_stall=on_stall)
+    await watched({"body": b"fast"})
+    await watched({"body": b"slow"})
+    await watched({"body": b"after"})
+    assert [m["body"] for m in sent] == [b"fast", b"slow", b"after"]
+    assert num_stalls == 1 and watched.is_stalled

@@ -5,15 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
@@ -23,10 +17,10 @@ from bench.client import RequestResult, run_http
 from bench.metrics import percentiles, summarize
 from bench.report import format_table, plot, write_json
 from bench.workload import make_workload
+from tests.bench.servers import serving
 
 API_KEY = "test-key"
 NUM_USAGE_TOKENS = 7  # differs from the 3 text chunks, so the test sees usage win
-SERVER_START_TIMEOUT_S = 10.0
 
 
 def result(
@@ -172,27 +166,6 @@ def fake_openai_app(bodies: list[dict]) -> Starlette:
         return StreamingResponse(events(body), media_type="text/event-stream")
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
-
-
-@contextmanager
-def serving(app: Starlette) -> Iterator[str]:
-    """Run `app` under uvicorn in a thread on a free loopback port; yield its base URL."""
-    # Binding here and handing uvicorn the socket avoids a race for the port.
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline_s = time.monotonic() + SERVER_START_TIMEOUT_S
-    while not server.started and thread.is_alive() and time.monotonic() < deadline_s:
-        time.sleep(0.01)
-    try:
-        assert server.started, "fake server did not start"
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(SERVER_START_TIMEOUT_S)
-        sock.close()
 
 
 def test_run_http_against_fake_server():

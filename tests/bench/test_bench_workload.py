@@ -77,3 +77,15 @@ def test_no_long_prompts_by_default():
 def test_invalid_arguments_are_refused(kwargs):
     with pytest.raises(ValueError):
         make_workload(10, **kwargs)
+
+
+def test_a_shared_prefix_starts_every_prompt_and_leaves_the_rest_as_without_it():
+    plain = make_workload(20, seed=3)
+    shared = make_workload(20, seed=3, shared_prefix_tokens=64)
+    prefix = shared[0].prompt_token_ids[:64]
+    for without, with_prefix in zip(plain, shared, strict=True):
+        assert with_prefix.prompt_token_ids == prefix + without.prompt_token_ids
+        assert (with_prefix.arrival_s, with_prefix.max_tokens) == (
+            without.arrival_s,
+            without.max_tokens,
+        )

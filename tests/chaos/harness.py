@@ -61,6 +61,7 @@ class Stack:
     # Workers reach Redis through a proxy that can cut their connections (`cut_workers_off`).
     workers_via_proxy: bool = False
     num_subscribers_dropped: int = 0
+    held_by_killed: set[str] = field(default_factory=set)  # requests the killed worker held
     api_urls: list[str] = field(default_factory=list)
     apis: list[subprocess.Popen] = field(default_factory=list)
     control: subprocess.Popen | None = None
@@ -167,6 +168,15 @@ class Stack:
                 return by_pid[pid]
         raise AssertionError("no live worker serves these requests")
 
+    def requests_owned_by(self, r: redis.Redis, pid: int) -> set[str]:
+        """Every request whose owner is the worker process `pid` (its id holds the pid)."""
+        owned = set()
+        for key in r.scan_iter(keys.request_meta("*"), _type="hash"):
+            owner = r.hget(key, "owner")
+            if owner is not None and int(owner.decode().split("-")[-2]) == pid:
+                owned.add(key.decode().removeprefix(keys.request_meta("")))
+        return owned
+
     def lock_database(self) -> None:
         """Hold SQLite's write lock: every writer waits (busy timeout) until `unlock_database`."""
         # The lock is taken and released from different threads (the fault runs in one).
@@ -200,7 +210,7 @@ class Stack:
         )
 
     def tenant_streams(self) -> list[str]:
-        return [keys.tenant_stream(MODEL, t.tenant_id) for t in self.tenants]
+        return [keys.tenant_stream(f"{MODEL}@1", t.tenant_id) for t in self.tenants]
 
     def stop(self) -> None:
         if self._db_lock is not None:

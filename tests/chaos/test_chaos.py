@@ -42,10 +42,14 @@ async def _when_streaming(client: LoadClient, num: int, api_index: int | None = 
 
 
 async def kill_worker(stack: Stack, client: LoadClient) -> None:
-    """kill -9 a worker that is generating (the one serving a request mid-stream)."""
+    """kill -9 a worker that is generating (the one serving a request mid-stream). Stopped
+    first, so that what it holds at the kill can be read: only those requests may end
+    `worker_lost`."""
     await _when_streaming(client, 8)
     with stack.redis() as r:
         worker = await asyncio.to_thread(stack.owner_of, r, client.streaming_request_ids(2))
+        worker.send_signal(signal.SIGSTOP)
+        stack.held_by_killed = await asyncio.to_thread(stack.requests_owned_by, r, worker.pid)
     worker.kill()
     await asyncio.to_thread(stack.start_worker)
 
@@ -190,6 +194,10 @@ async def test_chaos(name, chaos_stack, chaos_report):
     for log in logs:
         rows = usage.get(log.request_id, [])
         problems += checks.check_request(log, journals[log.request_id], rows, allowed_errors)
+    lost = {log.request_id for log, state in zip(logs, states, strict=True)
+            if state == "failed:worker_lost"}  # fmt: skip
+    if stray := lost - stack.held_by_killed:  # a live worker dropped them: never allowed
+        problems.append(f"worker_lost for requests the killed worker did not hold: {stray}")
     unknown = set(usage) - {log.request_id for log in logs}
     if len(unknown) > sum(log.num_retries for log in logs):
         problems.append(f"usage of requests no client knows: {sorted(unknown)[:5]}")

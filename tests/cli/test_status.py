@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from cli.status import models_table, queues_table, workers_table
+from cli.status import models_table, processes_table, queues_table, workers_table
 from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
 from shared.latency_window import LatencySummary
+from shared.supervised import ProcessState
 
 
 def _render(*tables) -> str:
@@ -39,3 +40,19 @@ def test_tables_show_queues_workers_and_latencies():
     assert all(cell in worker_row for cell in ["ready", "50.0%", "1.2 s"])
     queue_row = next(line for line in text.splitlines() if "acme" in line)
     assert [c for c in queue_row.replace("│", " ").split()][-4:] == ["7", "3", "4", "2"]
+
+
+def test_the_processes_up_supervises_show_their_restarts():
+    processes = [
+        ProcessState("api", "running", 41, 0, None, 990.0),
+        ProcessState("worker-1", "running", 77, 3, "signal SIGKILL", 700.0, metrics_port=9301),
+        ProcessState("worker-0", "restarting", None, 1, "exit 1", None, metrics_port=9300),
+    ]
+    text = _render(processes_table(FleetSnapshot(1000.0, {}, {}, processes)))
+    assert "Processes (supervised by `llmfleet up`)" in text
+    rows = {line.split()[1]: line.replace("│", " ").split() for line in text.splitlines()
+            if line.startswith("│ ")}  # fmt: skip
+    assert rows["api"] == ["api", "running", "41", "0", "-", "10", "s", "-"]
+    assert rows["worker-1"] == ["worker-1", "running", "77", "3", "signal", "SIGKILL", "5", "min",
+                                "9301"]  # fmt: skip
+    assert rows["worker-0"] == ["worker-0", "restarting", "-", "1", "exit", "1", "-", "9300"]

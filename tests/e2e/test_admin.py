@@ -333,6 +333,7 @@ def test_cli_key_create_list_and_revoke(env, api_url):
     rows = [line.split() for line in listed.output.splitlines()[1:]]
     assert [(row[1], row[3]) for row in rows] == [(first[:8], "-"), (second[:8], "-")]
 
+    assert _models_status(api_url, second) == 200  # verified once: the replica caches it
     revoked = _cli("key", "revoke", second_id)
     assert revoked.exit_code == 0, revoked.output
     assert _models_status(api_url, second) == 401

@@ -67,7 +67,7 @@ def test_over_a_limit_is_429_with_retry_after_and_nothing_enqueued(
     tenant_id, key = limited_tenant(**limits)
     body = {"model": UNSERVED_MODEL, "prompt": "hi", "max_tokens": 60}
     _admit_and_hang_up(api_url, key, body)
-    stream = keys.tenant_stream(UNSERVED_MODEL, tenant_id)
+    stream = keys.tenant_stream(unserved_deployment.name, tenant_id)
     assert rdb.xlen(stream) == 1
 
     response = _post(api_url, key, body)
@@ -85,7 +85,7 @@ def test_max_tokens_over_the_per_request_limit_is_400(
     tenant_id, key = limited_tenant(max_tokens_per_request=8)
     response = _post(api_url, key, {"model": UNSERVED_MODEL, "prompt": "hi", "max_tokens": 9})
     assert assert_error(response, 400, "max_tokens_exceeds_limit")["param"] == "max_tokens"
-    assert not rdb.exists(keys.tenant_stream(UNSERVED_MODEL, tenant_id))
+    assert not rdb.exists(keys.tenant_stream(unserved_deployment.name, tenant_id))
     assert not rdb.exists(keys.tenant_inflight(tenant_id))
 
 
@@ -96,7 +96,7 @@ def test_a_request_larger_than_tokens_per_minute_is_400_not_429(
     response = _post(api_url, key, {"model": UNSERVED_MODEL, "prompt": "hi", "max_tokens": 50})
     assert assert_error(response, 400, "request_exceeds_tokens_per_minute")["param"]
     assert "retry-after" not in response.headers
-    assert not rdb.exists(keys.tenant_stream(UNSERVED_MODEL, tenant_id))
+    assert not rdb.exists(keys.tenant_stream(unserved_deployment.name, tenant_id))
     assert not rdb.exists(keys.tenant_inflight(tenant_id), keys.tenant_buckets(tenant_id))
 
 

@@ -15,8 +15,9 @@ def tenant(make_tenant):
 
 
 def _assert_nothing_enqueued(rdb, tenant_id: str, model: str) -> None:
-    assert rdb.exists(keys.tenant_stream(model, tenant_id)) == 0
-    assert not rdb.sismember(keys.model_tenants(model), tenant_id)
+    name = f"{model}@1"  # the model's stable version
+    assert rdb.exists(keys.tenant_stream(name, tenant_id)) == 0
+    assert not rdb.sismember(keys.model_tenants(name), tenant_id)
 
 
 @pytest.mark.parametrize(

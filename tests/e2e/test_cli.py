@@ -34,8 +34,12 @@ def test_model_add_and_list(env, tiny_model_dir):
         env, "model", "add", model_id, "--source", str(tiny_model_dir), "--version", "2"
     )
     assert added.returncode == 0, added.stderr
+    assert "(stable)" in added.stdout  # the model's first version
+    again = llmfleet(env, "model", "add", model_id, "--source", str(tiny_model_dir))
+    assert again.returncode == 0 and "not stable" in again.stdout
     listed = llmfleet(env, "model", "list")
-    assert re.search(rf"^{model_id}\tv2\t1024 ctx\t", listed.stdout, re.M)
+    assert re.search(rf"^{model_id} +2 +stable +1024 ", listed.stdout, re.M)
+    assert re.search(rf"^{model_id} +1 +1024 ", listed.stdout, re.M)
 
 
 def test_model_add_rejects_a_bad_source(env, tmp_path):

@@ -45,7 +45,7 @@ def traffic(api_url, tiny_worker, tiny_deployment, make_tenant, rdb):
     """A few finished requests, so the latency window and the queues have data."""
     tenant_id, key = make_tenant("dash")
     model = tiny_deployment.model_id
-    ttft_key = keys.latency_samples(model, "ttft")
+    ttft_key = keys.latency_samples(tiny_deployment.name, "ttft")
     num_before = rdb.llen(ttft_key)
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True}
     for _ in range(3):
@@ -187,7 +187,7 @@ def test_dashboard_charts_fill_in_headless_chromium(api_url, background_load, de
     assert seen["state"] == "live" and seen["polls"] >= MIN_NUM_POINTS
     assert set(seen["points"]) == set(CHARTS)
     html = devtools.evaluate("document.documentElement.outerHTML")
-    assert re.search(r'<td class="l">tiny-llama</td><td class="l">ready</td>', html)
+    assert re.search(r'<td class="l">tiny-llama@1</td><td class="l">ready</td>', html)
     assert ADMIN_KEY not in devtools.evaluate("location.href")  # the fragment is cleared
 
     png = base64.b64decode(devtools.call("Page.captureScreenshot", format="png")["data"])

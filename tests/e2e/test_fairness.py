@@ -47,7 +47,7 @@ async def test_a_flooding_tenant_does_not_starve_another(
             for _ in range(NUM_FLOOD)
         ]
         # The whole flood is on its stream (waiting or running) before the victim asks.
-        await _wait_until_queued(rdb, keys.tenant_stream(model, flooder_id), NUM_FLOOD)
+        await _wait_until_queued(rdb, keys.tenant_stream(f"{model}@1", flooder_id), NUM_FLOOD)
         victim_sent = time.monotonic()
         victim_done = await _complete(client, api_url, victim_key, body)
         flood_done = await asyncio.gather(*flood)
@@ -98,7 +98,7 @@ async def test_a_tenant_that_arrives_while_a_burst_fills_the_batch_starts_at_onc
         burst = [
             asyncio.create_task(_stream_done_s(client, api_url, burst_key, body)) for _ in range(8)
         ]
-        stream = keys.tenant_stream(model, burst_id)
+        stream = keys.tenant_stream(deployment.name, burst_id)
         await _wait_until_queued(rdb, stream, 8)
         while _num_pulled(rdb, stream) < 4:
             await asyncio.sleep(0.01)  # the first wave is running
@@ -123,5 +123,5 @@ def test_the_pools_counters_hold_what_every_worker_computed_per_unit_of_weight(
     records = [wait_for_usage_record(db, r.headers["x-request-id"]) for r in results]
     computed = sum(record.computed_tokens for record in records)
     assert computed >= 8 * 40
-    counters = rdb.hgetall(keys.tenant_service(deployment.model_id))
+    counters = rdb.hgetall(keys.tenant_service(deployment.name))
     assert float(counters[tenant.id.encode()]) == pytest.approx(computed / 2)

@@ -67,7 +67,7 @@ def test_metrics_label_tenants_by_id_never_by_name(
     families = {f.name: f.samples for f in text_string_to_metric_families(text)}
     for name in ["llmfleet_queue_depth", "llmfleet_queue_pending"]:
         (sample,) = [s for s in families[name] if s.labels.get("tenant") == tenant_id]
-        assert set(sample.labels) == {"model", "tenant"}
+        assert set(sample.labels) == {"model", "version", "tenant"}
     assert "secret-customer" not in text and "tenant_name" not in text
 
 
@@ -230,7 +230,7 @@ def test_up_keeps_the_whole_home_private(fresh_home_env, tmp_path):
         # While everything runs: the database and its WAL, the AOF, logs, secrets, metrics.
         for name in ["llmfleet.db", "redis/appendonly.aof", "logs/api.log", "secrets/dev_api_key"]:
             assert _mode(home / name) == 0o600, name
-        assert {p.name for p in (home / "logs").iterdir()} >= {"api.log", "worker.log"}
+        assert {p.name for p in (home / "logs").iterdir()} >= {"api.log", "worker-0.log"}
         assert _readable_by_others(home) == []
         # `up` generated the metrics token before the API started, and says where it is.
         token_path = home / "secrets" / "metrics_token"

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from api import broker
+from api import subscriber
 from shared import deployments, keys
 from shared.tables import UsageRecord
 from tests.helpers import assert_error, auth, forget_tenant, wait_for_usage_record
@@ -316,9 +316,16 @@ def _num_redis_clients(rdb) -> int:
     return rdb.info("clients")["connected_clients"]
 
 
-def _num_stream_clients(rdb) -> int:
-    """Redis connections held by the API's streams, named so by `api/broker.py`."""
-    return sum(c.get("name") == broker.STREAM_CLIENT_NAME for c in rdb.client_list())
+def _api_clients(rdb, api) -> list[dict]:
+    """The Redis connections of one API process: their client names end with its pid
+    (`api/app.py`, `api/subscriber.py`)."""
+    suffix = f"-{api.process.pid}"
+    return [c for c in rdb.client_list() if c.get("name", "").endswith(suffix)]
+
+
+def _num_subscribers(rdb, request_id: str) -> int:
+    [(_, count)] = rdb.pubsub_numsub(keys.request_channel(request_id))
+    return count
 
 
 def _statuses(responses: list[httpx.Response]) -> list[int]:
@@ -335,8 +342,9 @@ async def _wait_until(predicate, timeout_s: float, what: str) -> None:
 async def test_resume_streams_beyond_the_request_cap_get_429_and_close_their_connections(
     capped_api, queued_request, rdb
 ):
-    """The extra streams get 429; each open one holds one Redis connection of its own,
-    renews its slot past a lease, and gives back slot and connection when it closes."""
+    """The extra streams get 429; the open ones hold no Redis connection of their own (they
+    share the process's subscriber connections), renew their slots past a lease, and give
+    back slot and subscription when they close."""
     request_id, _, key = queued_request(capped_api.url)
     await asyncio.sleep(0.5)
     num_clients_before = _num_redis_clients(rdb)
@@ -345,7 +353,10 @@ async def test_resume_streams_beyond_the_request_cap_get_429_and_close_their_con
         for refused in (r for r in responses if r.status_code == 429):
             assert_error(refused, 429, "resume_streams_per_request_exceeded")
             assert int(refused.headers["retry-after"]) >= 1
-        assert _num_stream_clients(rdb) == MAX_NUM_PER_REQUEST
+        assert _num_subscribers(rdb, request_id) == 1  # the four streams' one subscription
+        clients = _api_clients(rdb, capped_api)
+        assert sum(subscriber.CLIENT_NAME in c["name"] for c in clients) == 2
+        assert len(clients) <= 16
         # Past a whole lease the open streams still hold their slots (they renew them).
         await asyncio.sleep(RESUME_LEASE_S * 1.5)
         path = f"{capped_api.url}/v1/requests/{request_id}/events"
@@ -353,7 +364,7 @@ async def test_resume_streams_beyond_the_request_cap_get_429_and_close_their_con
         assert_error(late, 429, "resume_streams_per_request_exceeded")
     slots = keys.request_resume_streams(request_id)
     await _wait_until(lambda: rdb.zcard(slots) == 0, 10, "slots not released")
-    await _wait_until(lambda: _num_stream_clients(rdb) == 0, 10, "stream connections left open")
+    await _wait_until(lambda: _num_subscribers(rdb, request_id) == 0, 10, "left subscribed")
     # Near the start: the API's shared pool keeps open (for reuse) at most as many idle
     # connections as it ran commands at once, here fewer than the ten streams asked for.
     num_clients_after = _num_redis_clients(rdb)

@@ -42,6 +42,7 @@ def finished(api_url, tiny_worker, tiny_deployment, db, settings):
         "prompt": prompt,
         "output": result.text,
         "model": tiny_deployment.model_id,
+        "deployment": tiny_deployment.name,
     }
 
 
@@ -66,7 +67,7 @@ def test_usage_reports_only_the_callers_tenant(api_url, finished):
 
 
 def test_no_redis_key_keeps_the_prompt_of_a_finished_request(rdb, finished):
-    stream_key = keys.tenant_stream(finished["model"], finished["tenant_a"])
+    stream_key = keys.tenant_stream(finished["deployment"], finished["tenant_a"])
     deadline = time.monotonic() + 10
     while rdb.xlen(stream_key) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -85,7 +85,7 @@ def test_kv_capacity_is_refused_at_the_api(api_url, tiny_worker, tiny_deployment
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and "KV cache" in error["message"]
     assert str(TINY_KV_CAPACITY_TOKENS) in error["message"]
-    assert rdb.exists(keys.tenant_stream(tiny_deployment.model_id, tenant_id)) == 0
+    assert rdb.exists(keys.tenant_stream(tiny_deployment.name, tenant_id)) == 0
 
 
 def test_worker_refuses_what_its_kv_cache_can_never_hold(tiny_worker, tiny_deployment, rdb):
@@ -98,8 +98,8 @@ def test_worker_refuses_what_its_kv_cache_can_never_hold(tiny_worker, tiny_deplo
     pubsub = rdb.pubsub()
     pubsub.subscribe(keys.request_channel(request.request_id))
     pubsub.get_message(timeout=5)
-    rdb.sadd(keys.model_tenants(request.model), request.tenant_id)
-    rdb.xadd(keys.tenant_stream(request.model, request.tenant_id), request.to_fields())
+    rdb.sadd(keys.model_tenants(request.deployment_name), request.tenant_id)
+    rdb.xadd(keys.tenant_stream(request.deployment_name, request.tenant_id), request.to_fields())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         message = pubsub.get_message(timeout=1)

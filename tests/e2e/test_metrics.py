@@ -38,10 +38,15 @@ def test_api_metrics_endpoint_counts_rejections_and_queues(
     depths = {
         s.labels["tenant"]: s for s in families["llmfleet_queue_depth"] if s.name.endswith("depth")
     }
-    assert set(depths[tenant_id].labels) == {"model", "tenant"}
+    assert depths[tenant_id].labels == {
+        "model": tiny_deployment.model_id,
+        "version": "1",
+        "tenant": tenant_id,
+    }
     assert depths[tenant_id].value == 0  # acknowledged entries are deleted
     workers = families["llmfleet_workers"]
-    assert any(s.labels == {"model": tiny_deployment.model_id, "state": "ready"} for s in workers)
+    ready = {"model": tiny_deployment.model_id, "version": "1", "state": "ready"}
+    assert any(s.labels == ready for s in workers)
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +77,12 @@ def test_worker_serves_metrics_and_pushes_latency_samples(
     # the heartbeat carries the batch size; the samples reach Redis within a second or two
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if rdb.llen(keys.latency_samples(model, "itl")) >= 3 * 4:
+        if rdb.llen(keys.latency_samples(f"{model}@1", "itl")) >= 3 * 4:
             break
         time.sleep(0.2)
-    assert rdb.llen(keys.latency_samples(model, "ttft")) == 3
-    assert rdb.llen(keys.latency_samples(model, "itl")) == 3 * 4
+    assert rdb.llen(keys.latency_samples(f"{model}@1", "ttft")) == 3
+    assert rdb.llen(keys.latency_samples(f"{model}@1", "itl")) == 3 * 4
+    assert rdb.llen(keys.latency_samples(f"{model}@1", "failed")) == 3
     heartbeats = [rdb.hgetall(k) for k in rdb.scan_iter(keys.worker_heartbeat_pattern())]
     assert any(
         h.get(b"model") == model.encode() and h.get(b"max_num_seqs") == b"6" for h in heartbeats

@@ -178,7 +178,7 @@ def test_usage_is_durable_and_stream_entry_acknowledged(
         request = session.get(InferenceRequest, request_id)
     assert (record.tenant_id, record.output_tokens) == (tenant_id, 3)
     assert request.status == "completed" and request.finish_reason == "length"
-    stream_key = keys.tenant_stream(model, tenant_id)
+    stream_key = keys.tenant_stream(tiny_deployment.name, tenant_id)
     deadline = time.monotonic() + 5
     while rdb.xpending(stream_key, keys.WORKER_GROUP)["pending"] and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -11,7 +11,7 @@ import pytest
 from arq.constants import job_key_prefix
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared import ending, keys, usage_jobs
+from shared import ending, keys, recovery, usage_jobs
 from shared.ending import Ending, end_request, failed
 from shared.journal import Journal
 from shared.protocol import ErrorCode, FinalEvent, QueuedRequest, TokenEvent, Usage
@@ -31,7 +31,7 @@ async def _queued(aredis, *, retention_days: int | None = None) -> tuple[QueuedR
     request = request.model_copy(
         update={"request_id": uuid.uuid4().hex, "content_retention_days": retention_days}
     )
-    stream = keys.tenant_stream(request.model, request.tenant_id)
+    stream = keys.tenant_stream(request.deployment_name, request.tenant_id)
     await aredis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
     entry_id = await aredis.xadd(stream, request.to_fields())
     await aredis.xreadgroup(keys.WORKER_GROUP, "worker-1", {stream: ">"})
@@ -106,3 +106,69 @@ async def test_a_usage_that_cannot_be_handed_over_gives_the_end_back(aredis, jou
     # Whoever tries next ends it: the entry stayed pending.
     assert await end_request(aredis, journal, request, entry, lost, claimer="w2", usage_queue=QUEUE)
     assert (await journal.read_after(request.request_id, -1))[-1].code is ErrorCode.WORKER_LOST
+
+
+TAKE_OVER_AFTER_S = 0.2  # the heartbeat timeout
+
+
+async def _claimed_by_a_stopped_worker(aredis, journal, *, age_s: float):
+    """A request the dead `worker-gone` started, whose end it claimed `age_s` ago and never
+    completed (killed between `claim_end` and the last event)."""
+    while not await recovery.is_broker_settled(aredis, TAKE_OVER_AFTER_S):
+        await asyncio.sleep(0.1)  # a test Redis just started: a heartbeat may not be due
+    request, entry = await _queued(aredis)
+    await _delivered(journal, request.request_id, ["Hel", "lo"])
+    assert await journal.claim_end(request.request_id, "worker-gone")
+    await aredis.expire(keys.request_done(request.request_id), int(journal.ttl_s - age_s))
+    return request, entry
+
+
+async def test_an_end_claimed_by_a_worker_that_stopped_is_taken_over(aredis, journal):
+    # Before, the claim stayed with the dead worker: the reclaimer acknowledged the entry as
+    # ended, every other ender found it "ended elsewhere", and the stream hung.
+    request, entry = await _claimed_by_a_stopped_worker(aredis, journal, age_s=2)
+    lost = failed(ErrorCode.WORKER_LOST, "gone")
+    assert not await end_request(aredis, journal, request, entry, lost, claimer="api-7")
+    assert await end_request(
+        aredis, journal, request, entry, lost, claimer="api-7", usage_queue=QUEUE,
+        take_over_after_s=TAKE_OVER_AFTER_S,
+    )  # fmt: skip
+    events = await journal.read_after(request.request_id, -1)
+    assert [e.type for e in events] == ["token", "token", "error"]
+    assert (await _job_args(aredis, request.request_id))["output_tokens"] == 2
+    assert await aredis.xrange(entry[0]) == []
+    # Completed now: nobody takes it over again.
+    assert not await end_request(
+        aredis,
+        journal,
+        request,
+        entry,
+        lost,
+        claimer="worker-3",
+        take_over_after_s=TAKE_OVER_AFTER_S,
+    )
+    assert len(await journal.read_after(request.request_id, -1)) == 3
+
+
+async def test_a_live_or_recent_claim_is_not_taken_over(aredis, journal):
+    lost = failed(ErrorCode.WORKER_LOST, "gone")
+    recent, entry = await _claimed_by_a_stopped_worker(aredis, journal, age_s=0)
+    assert not await end_request(
+        aredis, journal, recent, entry, lost, claimer="api-7", take_over_after_s=TAKE_OVER_AFTER_S
+    )
+    alive, entry = await _claimed_by_a_stopped_worker(aredis, journal, age_s=5)
+    await aredis.set(keys.worker_heartbeat("worker-gone"), "1", ex=5)  # it beats after all
+    try:
+        assert not await end_request(
+            aredis,
+            journal,
+            alive,
+            entry,
+            lost,
+            claimer="api-7",
+            take_over_after_s=TAKE_OVER_AFTER_S,
+        )
+    finally:
+        await aredis.delete(keys.worker_heartbeat("worker-gone"))
+    for request in (recent, alive):
+        assert [e.type for e in await journal.read_after(request.request_id, -1)] == ["token"] * 2

@@ -1,8 +1,9 @@
 """Continuous batching is exact: with greedy decoding every request gets the tokens
 `model.generate` gives it alone, whatever the batch composition, arrival order, tenants,
 tiers and weights, prefill chunking and preemptions (property-based on the tiny model, a
-spot check on the real one). The engine runs the default policies: weighted fair queuing
-and tenant-aware preemption."""
+spot check on the real one). The engine runs the default policies: weighted fair queuing,
+tenant-aware preemption and prefix caching. The tiny model here is `attentive` (its tokens
+depend on attention and positions), so a wrong attention or RoPE cannot pass."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ MAX_NEW_TOKENS = 12
 
 
 def _engine(loaded, num_blocks: int, block_size: int, max_num_seqs: int, budget: int):
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching=True)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs, budget),
         kv,
@@ -85,32 +86,32 @@ arrival = st.tuples(st.integers(0, 6), prompts, st.integers(1, MAX_NEW_TOKENS))
     budget=4,
 )
 def test_greedy_equals_generate_alone(
-    tiny_loaded, arrivals, block_size, spare_blocks, max_num_seqs, budget
+    attentive_loaded, arrivals, block_size, spare_blocks, max_num_seqs, budget
 ):
     @cache
     def reference(prompt: tuple[int, ...]) -> list[int]:
-        return greedy_alone(tiny_loaded, list(prompt), MAX_NEW_TOKENS)
+        return greedy_alone(attentive_loaded, list(prompt), MAX_NEW_TOKENS)
 
     # The smallest pool that fits the largest request alone, plus some: small pools preempt.
     largest = max(len(p) + n for _, p, n in arrivals)
     num_blocks = -(-largest // block_size) + spare_blocks
-    engine = _engine(tiny_loaded, num_blocks, block_size, max_num_seqs, budget)
+    engine = _engine(attentive_loaded, num_blocks, block_size, max_num_seqs, budget)
     outputs = _run(engine, arrivals)
     for i, (_, prompt, max_tokens) in enumerate(arrivals):
         assert outputs[f"r{i}"] == reference(tuple(prompt))[:max_tokens]
 
 
-def test_preemption_happens_and_stays_exact(tiny_loaded):
+def test_preemption_happens_and_stays_exact(attentive_loaded):
     arrivals = [
         (0, list(range(1000, 1030)), 12),
         (0, list(range(2000, 2025)), 12),
         (1, [5000] * 9, 12),
     ]
-    engine = _engine(tiny_loaded, num_blocks=12, block_size=4, max_num_seqs=3, budget=16)
+    engine = _engine(attentive_loaded, num_blocks=12, block_size=4, max_num_seqs=3, budget=16)
     outputs = _run(engine, arrivals)
     assert engine.scheduler.num_preemptions > 0
     for i, (_, prompt, n) in enumerate(arrivals):
-        assert outputs[f"r{i}"] == greedy_alone(tiny_loaded, prompt, n)
+        assert outputs[f"r{i}"] == greedy_alone(attentive_loaded, prompt, n)
 
 
 def test_decodes_share_an_attention_call_unless_padding_them_costs_more():
@@ -123,12 +124,12 @@ def test_decodes_share_an_attention_call_unless_padding_them_costs_more():
     assert decode_group_bounds([], 16) == []
 
 
-def test_decodes_in_separate_attention_calls_stay_exact(tiny_loaded):
+def test_decodes_in_separate_attention_calls_stay_exact(attentive_loaded):
     # Contexts far apart (two prompts of 600 beside ten of a few tokens): the decodes run
     # as two groups, each padded only to its own longest context.
     arrivals = [(0, list(range(1000, 1600)), 8), (0, list(range(3000, 3600)), 8)]
     arrivals += [(18, [5000 + i] * (3 + i), 8) for i in range(10)]
-    engine = _engine(tiny_loaded, num_blocks=400, block_size=4, max_num_seqs=12, budget=64)
+    engine = _engine(attentive_loaded, num_blocks=400, block_size=4, max_num_seqs=12, budget=64)
     runner = engine._runner
     num_groups = []
     decode_groups = runner._decode_groups
@@ -136,7 +137,7 @@ def test_decodes_in_separate_attention_calls_stay_exact(tiny_loaded):
     outputs = _run(engine, arrivals)
     assert max(num_groups) == 2
     for i, (_, prompt, n) in enumerate(arrivals):
-        assert outputs[f"r{i}"] == greedy_alone(tiny_loaded, prompt, n)
+        assert outputs[f"r{i}"] == greedy_alone(attentive_loaded, prompt, n)
 
 
 @pytest.mark.slow

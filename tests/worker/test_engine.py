@@ -7,7 +7,7 @@ import pytest
 from shared import model_source
 from tests.factories import make_request
 from tests.reference import greedy_alone
-from worker.engine import StaticBatchEngine
+from worker.model_engine import StaticBatchEngine
 from worker.runner import loader
 from worker.sequence import Sequence
 

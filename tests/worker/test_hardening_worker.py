@@ -10,9 +10,10 @@ from shared import model_source
 from shared.protocol import QueuedRequest, SamplingParams
 from tests.factories import CharDecoder, make_request, make_sequence_for
 from tests.reference import greedy_alone
-from worker.engine import ContinuousBatchingEngine, StaticBatchEngine
+from worker.engine import ContinuousBatchingEngine
 from worker.fair_queue import FairQueue
 from worker.kv_cache import KVCacheManager
+from worker.model_engine import StaticBatchEngine
 from worker.preemption import TenantAwarePreemption
 from worker.runner import loader
 from worker.runner.model_runner import ModelRunner

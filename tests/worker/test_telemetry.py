@@ -11,12 +11,13 @@ from worker.kv_cache import KVCacheManager
 from worker.preemption import TenantAwarePreemption
 from worker.runner.model_runner import ModelRunner
 from worker.scheduler import Scheduler, SchedulerConfig
-from worker.telemetry import Telemetry, timed_step
+from worker.telemetry import Samples, Telemetry, timed_step
 
 MODEL = "tiny-observed"
 
 
 def _value(registry, name: str, **labels) -> float:
+    labels.setdefault("version", "1")  # every series names the version the worker serves
     return registry.get_sample_value(name, labels) or 0.0
 
 
@@ -77,9 +78,10 @@ def test_telemetry_measures_every_request_and_step(tiny_loaded):
     assert _value(r, "llmfleet_num_requests_running", model=MODEL) == 0
     assert _value(r, "llmfleet_kv_cache_usage_perc", model=MODEL) == 0
     assert _value(r, "llmfleet_max_num_seqs", model=MODEL) == 4
-    ttft, itl = telemetry.take_samples()
-    assert len(ttft) == 4 and len(itl) == 4 * 7
-    assert telemetry.take_samples() == ([], [])
+    samples = telemetry.take_samples()
+    assert len(samples.ttft) == 4 and len(samples.itl) == 4 * 7
+    assert [s.value_s for s in samples.failed] == [0.0] * 4  # all ended well
+    assert telemetry.take_samples() == Samples()
 
 
 def test_aborted_expired_and_refused_requests_are_counted_by_reason(tiny_loaded):
@@ -98,6 +100,20 @@ def test_aborted_expired_and_refused_requests_are_counted_by_reason(tiny_loaded)
     cancelled = {**labels, "finished_reason": "cancelled"}
     assert _value(r, "llmfleet_request_success_total", **cancelled) == 1
     assert _value(r, "llmfleet_time_to_first_token_seconds_count", model=MODEL, tier="1") == 0
+    # What counts against the version's health: the refusal (it can never fit this
+    # worker's KV cache) and the expiry, not the cancel.
+    assert [s.value_s for s in telemetry.take_samples().failed] == [1.0, 0.0, 1.0]
+
+
+def test_a_clients_invalid_request_does_not_count_against_the_version(tiny_loaded):
+    engine = _small_engine(tiny_loaded, num_blocks=4)
+    telemetry = Telemetry(MODEL, 4, version="2")
+    out_of_vocabulary = make_request(0, [3, 10**9], 4)  # refused: `invalid_prompt`
+    assert not _add(engine, telemetry, out_of_vocabulary)
+    r = telemetry.metrics.registry
+    labels = {"model": MODEL, "version": "2", "tier": "1", "finished_reason": "error"}
+    assert _value(r, "llmfleet_request_success_total", **labels) == 1
+    assert [s.value_s for s in telemetry.take_samples().failed] == [0.0]
 
 
 def test_handed_back_requests_are_not_counted_as_ended(tiny_loaded):

@@ -124,17 +124,39 @@ def test_preempted_sequence_is_recomputed_charged_and_counted_for_its_tenant():
     assert victim.num_computed_total > victim.num_prompt_tokens + victim.num_output_tokens - 1
 
 
-def test_a_light_tenants_new_prompt_goes_before_a_heavy_tenants_prompt_chunks():
+def test_a_newcomers_prompt_step_carries_no_other_tenants_prompt_work():
+    # heavy decodes one sequence and is part-way through another's prompt when light, with
+    # nothing running, arrives. Light's prompt goes first, in a step that keeps heavy's
+    # decode but not heavy's prompt chunk, which on a CPU would make light's first step as
+    # long as a full budget's (before: [("light", 8), ("heavy", 8)] in one step).
     scheduler = _fair_scheduler(quantum=8, max_num_seqs=4, budget=16, num_blocks=100)
-    heavy = make_sequence(0, 64, 4, tenant_id="heavy")
+    decoding = make_sequence(0, 4, 8, tenant_id="heavy")
+    scheduler.add(decoding)
+    _step(scheduler)  # decoding's prompt; it decodes from now on
+    heavy = make_sequence(1, 64, 4, tenant_id="heavy")
     scheduler.add(heavy)
-    _step(scheduler)  # heavy's first 16-token chunk: heavy is now in debt
-    light = make_sequence(1, 8, 4, tenant_id="light")
+    _step(scheduler)  # a decode and heavy's first 15-token chunk: heavy is in debt
+    light = make_sequence(2, 8, 4, tenant_id="light")
     scheduler.add(light)
     out = scheduler.schedule()
+    assert [(c.seq.tenant_id, c.num_new_tokens) for c in out.prefills] == [("light", 8)]
+    assert [c.seq for c in out.decodes] == [decoding]
+    scheduler.postprocess(out, [70 for chunk in out.chunks if chunk.is_sampling])
+    assert light.num_output_tokens == 1
+    out = scheduler.schedule()  # light is running now: heavy's prompt goes on
+    assert heavy in [c.seq for c in out.prefills]
+
+
+def test_fifo_fills_a_newcomers_step_with_the_others_prompt_work():
+    scheduler = _scheduler(FifoQueue(), LatestArrivalFirst(), max_num_seqs=4, budget=16,
+                           num_blocks=100)  # fmt: skip
+    scheduler.add(make_sequence(0, 20, 4, tenant_id="heavy"))
+    _step(scheduler)  # heavy's first 16 tokens
+    scheduler.add(make_sequence(1, 8, 4, tenant_id="light"))
+    out = scheduler.schedule()
     assert [(c.seq.tenant_id, c.num_new_tokens) for c in out.prefills] == [
+        ("heavy", 4),
         ("light", 8),
-        ("heavy", 8),
     ]
 
 

@@ -2,15 +2,21 @@
 
 One forward pass per step over the packed tokens of every scheduled chunk (decodes first,
 then prefill chunks), with our paged attention (`paged_attention.py`) and `logits_to_keep`
-set to the last position of each chunk that samples, so the LM head runs only there.
+set to the last position of each chunk that samples, so the LM head runs only there. On a
+GPU, a step of decodes alone replays a captured CUDA graph instead (`decode_graphs.py`).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
 from shared.protocol import SamplingParams
 from worker.runner import sampler
+from worker.runner.decode_graphs import DecodeGraphs, DecodeInputs, GraphBuckets
+from worker.runner.llama import LlamaForward
 from worker.runner.loader import LoadedModel
 from worker.runner.paged_attention import (
     ATTENTION_NAME,
@@ -19,9 +25,12 @@ from worker.runner.paged_attention import (
     PagedKVCache,
     PrefillSpan,
     StepMetadata,
+    decode_group,
     pool_rows,
 )
-from worker.step_batch import ChunkInput, StepBatch
+from worker.step_batch import ChunkInput, SamplingFailure, StepBatch
+
+log = logging.getLogger("llmfleet.worker")
 
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
@@ -42,6 +51,10 @@ def kv_cache_budget_bytes(
     if kv_cache_gb is not None:
         return int(kv_cache_gb * 2**30)
     if loaded.device.type == "cuda":
+        # Blocks the caching allocator holds but no tensor uses (loading's temporaries) are
+        # free for the pool; the fraction left over is for the steps' activations and the
+        # decode graphs' memory pool.
+        torch.cuda.empty_cache()
         free_bytes, _total = torch.cuda.mem_get_info(loaded.device)
         return int(free_bytes * gpu_memory_fraction)
     return int(DEFAULT_CPU_KV_CACHE_GB * 2**30)
@@ -81,12 +94,58 @@ def decode_group_bounds(ends: list[int], block_size: int) -> list[tuple[int, int
     return merged
 
 
+GRAPH_MODES = ("auto", "on", "off")
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        forward: str = "auto",
+        *,
+        graphs: str = "auto",
+        max_num_seqs: int = 64,
+        graph_buckets: GraphBuckets | None = None,
+    ) -> None:
+        """`forward`: "own" (`llama.py`), "hf" (the HF forward with our attention plugged
+        in), or "auto": our own where the architecture has one.
+
+        `graphs`, for decode-only steps of our own forward: "auto" (CUDA graphs on a GPU,
+        none on the CPU), "off", or "on" (the padded static path on any device: on the CPU
+        it is called, not replayed; for the tests). `graph_buckets`: the captured shapes
+        (default: `GraphBuckets.default` up to `max_num_seqs`)."""
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {GRAPH_MODES}, not {graphs!r}")
         self._loaded = loaded
         self._model = loaded.model
         self._device = loaded.device
         self.block_size = block_size
+        self._model.set_attn_implementation(ATTENTION_NAME)
+        use_own = forward == "own" or (forward == "auto" and LlamaForward.supports(self._model))
+        if forward == "own" and not LlamaForward.supports(self._model):
+            raise ValueError(f"no own forward for {self._model.config.model_type!r} models")
+        self._forward = LlamaForward(self._model) if use_own else None
+        use_graphs = _uses_graphs(graphs, self._forward, self._device)
+        # The decode graphs' padding rows write to a block of their own, past the KV
+        # manager's `num_blocks`, so no sequence's keys are ever overwritten.
+        self._k_pool, self._v_pool = self._make_pools(num_blocks + int(use_graphs))
+        self._graphs: DecodeGraphs | None = None
+        self.graphs_error: str | None = None  # why a GPU's decode graphs failed to capture
+        if use_graphs:
+            max_context_tokens = min(
+                getattr(self._model.config, "max_position_embeddings", None) or 1 << 30,
+                num_blocks * block_size,
+            )
+            buckets = graph_buckets or GraphBuckets.default(
+                max_num_seqs, block_size, max_context_tokens
+            )
+            self._graphs = self._make_graphs(buckets, scratch_block=num_blocks)
+        self._generators: dict[str, torch.Generator | None] = {}
+        self.fault_token_id: int | None = None  # chaos tests: a step holding it fails
+
+    def _make_pools(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         config = self._model.config
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -97,40 +156,87 @@ class ModelRunner:
             config.num_hidden_layers,
             config.num_key_value_heads,
             num_blocks,
-            block_size,
+            self.block_size,
             head_dim,
         )
-        self._k_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
-        self._v_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
-        self._model.set_attn_implementation(ATTENTION_NAME)
-        self._generators: dict[str, torch.Generator | None] = {}
-        self.fault_token_id: int | None = None  # chaos tests: a step holding it fails
+        k_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
+        v_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
+        return k_pool, v_pool
+
+    @torch.inference_mode()
+    def _make_graphs(self, buckets: GraphBuckets, scratch_block: int) -> DecodeGraphs | None:
+        assert self._forward is not None
+        vocab = self._forward.lm_head.weight.shape[0]
+        # The step holds the forward and the pools, not the runner: with no reference cycle a
+        # dropped runner frees its KV pool (and graphs) at once, not at the next collection.
+        step = functools.partial(_graph_step, self._forward, self._k_pool, self._v_pool)
+        graphs = DecodeGraphs(
+            step,
+            buckets,
+            self.block_size,
+            scratch_block,
+            (vocab, self._model.dtype),
+            self._device,
+        )
+        if self._device.type == "cuda":
+            try:
+                graphs.capture_all()
+            except RuntimeError as exc:  # an op of this model or torch that cannot be captured
+                log.warning("no decode graphs (%s): decode steps run eager", exc)
+                self.graphs_error = f"{type(exc).__name__}: {exc}"
+                return None
+        return graphs
+
+    @property
+    def num_graph_replays(self) -> int:
+        """Steps that ran through a decode graph (0 without graphs)."""
+        return self._graphs.num_replays if self._graphs is not None else 0
+
+    @property
+    def graph_capture_s(self) -> float:
+        """Seconds the decode graphs took to capture at start (0 without, or on the CPU)."""
+        return self._graphs.capture_s if self._graphs is not None else 0.0
 
     @property
     def vocab_size(self) -> int:
         return self._loaded.vocab_size
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> list[int | sampler.SamplingFailure]:
+    def execute(self, batch: StepBatch) -> list[int | SamplingFailure]:
         """Run the step; one sampled token per sampling chunk, in `batch.chunks` order, or
         that chunk's `SamplingFailure` (the forward pass is shared, sampling fails per
         sequence)."""
         chunks = batch.chunks
-        input_ids, positions, slot_mapping, keep = self._pack(chunks)
-        if self.fault_token_id is not None and bool((input_ids == self.fault_token_id).any()):
+        if self.fault_token_id is not None and any(
+            self.fault_token_id in c.token_ids for c in chunks
+        ):
             raise RuntimeError("injected fault: the step's input holds the fault token")
+        bucket = None
+        if self._graphs is not None and batch.decodes and not batch.prefills:
+            bucket = self._graphs.pick(batch.decodes)
+        if self._graphs is not None and bucket is not None:
+            logits = self._graphs.run(batch.decodes, bucket)
+        else:
+            logits = self._eager(batch)
+        params = [c.sampling for c in chunks if c.sampling is not None]
+        generators = [self._generator(c.request_id, c.sampling) for c in chunks if c.sampling]
+        return sampler.sample(logits, params, generators)
+
+    def _eager(self, batch: StepBatch) -> torch.Tensor:
+        """Logits of the step's sampling chunks, by the forward called op by op."""
+        input_ids, positions, slot_mapping, keep = self._pack(batch.chunks)
         step = self._metadata(batch, slot_mapping)
-        result = self._model(
+        keep_rows = torch.tensor(keep, dtype=torch.long, device=self._device)
+        if self._forward is not None:
+            return self._forward(input_ids, positions, self._k_pool, self._v_pool, step, keep_rows)
+        return self._model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             cache=PagedKVCache(self._k_pool, self._v_pool, slot_mapping),
             use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self._device),
+            logits_to_keep=keep_rows,
             **{STEP_KWARG: step},
-        )
-        params = [c.sampling for c in chunks if c.sampling is not None]
-        generators = [self._generator(c.request_id, c.sampling) for c in chunks if c.sampling]
-        return sampler.sample(result.logits[0], params, generators)
+        ).logits[0]
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -187,15 +293,12 @@ class ModelRunner:
         max_blocks = max(len(c.block_ids) for c in decodes)
         # Pad block tables with block 0: those keys are masked out.
         tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in decodes]
-        block_ids = torch.tensor(tables, device=self._device).flatten()
-        lengths = torch.tensor([c.end for c in decodes], device=self._device)
-        positions = torch.arange(max_blocks * self.block_size, device=self._device)
-        is_padding = (positions[None, :] >= lengths[:, None])[:, None, :]
-        bias = torch.zeros(is_padding.shape, device=self._device).masked_fill_(
-            is_padding, float("-inf")
+        return decode_group(
+            query_start,
+            torch.tensor(tables, device=self._device),
+            torch.tensor([c.end for c in decodes], device=self._device),
+            self._k_pool,
         )
-        rows = self._pool_rows(block_ids)
-        return DecodeGroup(query_start, query_start + len(decodes), rows, bias)
 
     def _pool_rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         num_kv_heads, num_blocks = self._k_pool.shape[1:3]
@@ -207,3 +310,33 @@ class ModelRunner:
         query_positions = torch.arange(chunk.start, chunk.end, device=self._device)
         key_positions = torch.arange(chunk.end, device=self._device)
         return (key_positions[None, :] <= query_positions[:, None])[None, None]
+
+
+def _uses_graphs(graphs: str, forward: LlamaForward | None, device: torch.device) -> bool:
+    """Whether decode-only steps take the static path (`ModelRunner`'s `graphs`)."""
+    if graphs == "off" or (graphs == "auto" and device.type != "cuda"):
+        return False
+    if forward is None:
+        if graphs == "on":
+            raise ValueError("decode graphs need our own forward (--forward auto or own)")
+        return False
+    rope_type = getattr(forward.rotary, "rope_type", "default")
+    if "dynamic" in str(rope_type) or rope_type == "longrope":
+        # These RoPE types read the longest position on the host every step.
+        log.info("no decode graphs: %s RoPE is not graph-safe", rope_type)
+        return False
+    return True
+
+
+def _graph_step(
+    forward: LlamaForward, k_pool: torch.Tensor, v_pool: torch.Tensor, inputs: DecodeInputs
+) -> torch.Tensor:
+    """A padded decode-only step as one decode group: shapes fixed by the bucket, no host
+    reads, so it can be captured (`decode_graphs.py`)."""
+    # The inputs are columns of the static buffer (strided): copied out inside the graph,
+    # so every index op gets the contiguous index tensor it is written for.
+    slot_mapping = inputs.slot_mapping.contiguous()
+    group = decode_group(0, inputs.block_tables, inputs.context_lens.contiguous(), k_pool)
+    step = StepMetadata(slot_mapping, [group], [])
+    input_ids, positions = inputs.input_ids.contiguous(), inputs.positions.contiguous()
+    return forward(input_ids, positions, k_pool, v_pool, step, inputs.keep)

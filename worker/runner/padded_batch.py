@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from shared.protocol import SamplingParams
 from worker.runner import sampler
 from worker.runner.loader import LoadedModel
+from worker.step_batch import SamplingFailure
 
 
 class PaddedBatch:
@@ -38,13 +39,13 @@ class PaddedBatch:
         self._next_positions: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def prefill(self) -> list[int | sampler.SamplingFailure]:
+    def prefill(self) -> list[int | SamplingFailure]:
         positions = (self._attention_mask.cumsum(-1) - 1).clamp(min=0)
         self._next_positions = positions[:, -1:] + 1
         return self._forward(self._input_ids, positions)
 
     @torch.inference_mode()
-    def decode(self, last_token_ids: list[int]) -> list[int | sampler.SamplingFailure]:
+    def decode(self, last_token_ids: list[int]) -> list[int | SamplingFailure]:
         assert self._next_positions is not None, "prefill first"
         tokens = torch.tensor(last_token_ids, device=self._loaded.device).unsqueeze(-1)
         ones = torch.ones_like(tokens)
@@ -55,7 +56,7 @@ class PaddedBatch:
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> list[int | sampler.SamplingFailure]:
+    ) -> list[int | SamplingFailure]:
         out = self._loaded.model(
             input_ids=input_ids,
             attention_mask=self._attention_mask,

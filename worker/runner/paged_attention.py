@@ -85,14 +85,19 @@ def paged_attention(module, query, key_pool, value_pool, attention_mask, scaling
         return sdpa_attention_forward(
             module, query, key_pool, value_pool, attention_mask, scaling=scaling, **kwargs
         )
-    q = query[0]  # [heads, num_tokens, head_dim]
+    return attend(query[0], key_pool, value_pool, step, scaling).unsqueeze(0), None
+
+
+def attend(q, key_pool, value_pool, step: StepMetadata, scaling=None) -> torch.Tensor:
+    """q: [heads, num_tokens, head_dim] over one layer's pool; returns [num_tokens, heads,
+    head_dim]."""
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     for group in step.decode_groups:
         rows = slice(group.query_start, group.query_end)
         out[rows] = _decode(q[:, rows], key_pool, value_pool, group, scaling)
     for span in step.prefills:
         out[span.query_start : span.query_end] = _prefill(q, key_pool, value_pool, span, scaling)
-    return out.unsqueeze(0), None
+    return out
 
 
 def pool_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -101,6 +106,24 @@ def pool_rows(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> to
     a plain copy per block; along the second, torch's CPU kernel is 3x slower)."""
     heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None] * num_blocks
     return (heads + block_ids[None, :]).flatten()
+
+
+def decode_group(
+    query_start: int,
+    tables: torch.Tensor,  # [rows, max_blocks]: block tables, padded
+    lengths: torch.Tensor,  # [rows]: keys each row attends to
+    pool: torch.Tensor,  # [layers, kv_heads, blocks, block_size, head_dim]
+) -> DecodeGroup:
+    """The group's pool rows and padding mask, built with tensor ops alone (no host reads):
+    the eager step and the captured decode graph (`decode_graphs.py`) share it."""
+    _, num_kv_heads, num_blocks, block_size, _ = pool.shape
+    positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
+    is_padding = (positions[None, :] >= lengths[:, None])[:, None, :]
+    bias = torch.zeros(is_padding.shape, device=tables.device).masked_fill_(
+        is_padding, float("-inf")
+    )
+    rows = pool_rows(tables.flatten(), num_kv_heads, num_blocks)
+    return DecodeGroup(query_start, query_start + tables.shape[0], rows, bias)
 
 
 def _gather(pool: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tensor:

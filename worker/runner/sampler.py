@@ -7,44 +7,11 @@ shared), so it fails per sequence: a row whose parameters cannot be sampled gets
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 from shared.protocol import SamplingParams
-
-# `torch.Generator.manual_seed` takes any 64-bit value, signed or unsigned (it wraps a
-# negative one); anything wider raises.
-MIN_SEED = -(2**63)
-MAX_SEED = 2**64 - 1
-# Below this a temperature's reciprocal overflows float32: no logit can be divided by it.
-MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingFailure:
-    """A row that could not be sampled, and why; the step's other rows are unaffected."""
-
-    message: str
-
-
-def check(params: SamplingParams) -> str | None:
-    """What makes `params` unusable by the sampler, or None. Plain Python, no tensor: it runs
-    when a sequence is added, before it can share a step with anyone."""
-    seed = params.seed
-    if seed is not None and (
-        not isinstance(seed, int) or isinstance(seed, bool) or not MIN_SEED <= seed <= MAX_SEED
-    ):
-        return f"seed must be an integer from {MIN_SEED} to {MAX_SEED}"
-    temperature = params.temperature
-    if not (math.isfinite(temperature) and (temperature == 0.0 or temperature >= MIN_TEMPERATURE)):
-        return f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:.1e}"
-    if not 0.0 < params.top_p <= 1.0:
-        return "top_p must be in (0, 1]"
-    if params.top_k < 0:
-        return "top_k must be >= 0"
-    return None
+from worker.runner.guard import check
+from worker.step_batch import SamplingFailure
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -1,0 +1,176 @@
+"""Our own forward pass for Llama-family decoders (Llama, Mistral, Qwen2, SmolLM).
+
+The weights are the Hugging Face model's, taken once it is loaded (from a GGUF file or a
+model directory alike) and fused: q, k and v into one projection, gate and up into another,
+so a layer is a handful of large matmuls. The step's tokens stay packed in one row
+(`[num_tokens, hidden]`), RoPE's cos/sin are computed once per step for all layers, and the
+new keys and values go straight into the paged pool, where `paged_attention` reads them.
+Compared with the HF forward on the same packed step this drops the per-layer module calls,
+mask construction and transposes, and makes 4 matmuls a layer instead of 7.
+
+Any other architecture, or weights that are not plain `nn.Linear` (e.g. quantized), keeps
+the HF forward with our attention plugged in (`LlamaForward.supports`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.runner.paged_attention import StepMetadata, attend
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+class _Linear:
+    """`y = x @ weight.T + bias`. On the CPU the weight is packed once into oneDNN's blocked
+    layout (what inductor's freezing does): the matmul then skips the per-call reorder, with
+    identical results in bf16 (docs/benchmarks.md, "Our own forward")."""
+
+    __slots__ = ("_packed", "bias", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self._packed: torch.Tensor | None = None
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            except RuntimeError:  # no oneDNN kernel for this dtype on this CPU
+                self._packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: _Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o: _Linear
+    post_norm: torch.Tensor
+    gate_up: _Linear  # hidden -> 2 * intermediate
+    down: _Linear
+
+
+class LlamaForward:
+    """`logits = forward(input_ids, positions, k_pool, v_pool, step, keep)` for one packed step."""
+
+    def __init__(self, model: Any) -> None:  # an HF *ForCausalLM; its modules are untyped
+        config = model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.eps = config.rms_norm_eps
+        self.scaling = self.head_dim**-0.5
+        decoder = model.model
+        self.embed = decoder.embed_tokens.weight
+        self.norm = decoder.norm.weight
+        self.lm_head = _Linear(model.lm_head.weight.detach())
+        self.rotary = decoder.rotary_emb  # HF's, so every RoPE scaling type is as HF has it
+        self.layers = [_fuse(layer) for layer in decoder.layers]
+
+    @staticmethod
+    def supports(model: Any) -> bool:
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES or config.hidden_act != "silu":
+            return False
+        if getattr(config, "mlp_bias", False) or getattr(config, "use_sliding_window", False):
+            return False
+        if getattr(config, "sliding_window", None) and config.model_type == "mistral":
+            return False  # a window shorter than the context needs a windowed attention
+        layer = model.model.layers[0]
+        linears = [
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+            model.lm_head,
+        ]
+        return all(type(linear) is nn.Linear for linear in linears)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        k_pool: torch.Tensor,  # [layers, kv_heads, blocks, block_size, head_dim]
+        v_pool: torch.Tensor,
+        step: StepMetadata,
+        keep: torch.Tensor,  # rows whose logits are wanted
+    ) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(hidden, positions[None])
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [num_tokens, 1, head_dim]
+        num_q = self.num_heads * self.head_dim
+        num_kv = self.num_kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            x = _rms_norm(hidden, layer.input_norm, self.eps)
+            qkv = layer.qkv(x)
+            qk = qkv[:, : num_q + num_kv].view(
+                -1, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            qk = qk * cos + _rotate_half(qk) * sin
+            q = qk[:, : self.num_heads]  # [num_tokens, heads, head_dim]
+            k = qk[:, self.num_heads :]
+            v = qkv[:, num_q + num_kv :].view(-1, self.num_kv_heads, self.head_dim)
+            _write(k_pool[index], k, step.slot_mapping)
+            _write(v_pool[index], v, step.slot_mapping)
+            out = attend(q.transpose(0, 1), k_pool[index], v_pool[index], step, self.scaling)
+            hidden = hidden + layer.o(out.flatten(1))
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        hidden = _rms_norm(hidden.index_select(0, keep), self.norm, self.eps)
+        return self.lm_head(hidden)
+
+
+def _fuse(layer: Any) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    has_bias = all(p.bias is not None for p in qkv)
+    return _Layer(
+        input_norm=layer.input_layernorm.weight.detach(),
+        qkv=_Linear(
+            _concat([p.weight for p in qkv]), _concat([p.bias for p in qkv]) if has_bias else None
+        ),
+        o=_Linear(attn.o_proj.weight.detach()),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=_Linear(_concat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+        down=_Linear(mlp.down_proj.weight.detach()),
+    )
+
+
+def _concat(params: list[Any]) -> torch.Tensor:
+    """One tensor of `params` along the first dimension; each parameter then becomes a view
+    into it, so the HF modules (still used by `generate`) share its memory."""
+    fused = torch.cat([p.detach() for p in params])
+    start = 0
+    for param in params:
+        param.data = fused[start : start + param.shape[0]]
+        start += param.shape[0]
+    return fused
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As HF's LlamaRMSNorm: normalised in fp32, cast back, then scaled."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _write(pool: torch.Tensor, states: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """states [num_tokens, kv_heads, head_dim] into one layer's pool at the tokens' slots."""
+    pool.flatten(1, 2).index_copy_(1, slot_mapping, states.transpose(0, 1))

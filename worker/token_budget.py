@@ -1,0 +1,42 @@
+"""The step's token budget: time to first token and inter-token latency tuned apart.
+
+Plain Python, no torch, no clock of its own: the engine reports each step's duration.
+
+- A step in which no sequence decodes (a burst of new prompts, nothing yet streaming) takes
+  up to `prefill_tokens`: the burst is prefilled in few large steps, and nobody's next
+  token waits on them.
+- A step beside decodes takes `decode_tokens` (`--max-num-batched-tokens`). With an ITL
+  target, that budget adapts by feedback: a step that ran over the target shrinks it in
+  proportion, and a step that used all of it well under the target (below 80%) grows it
+  by a quarter, within [`MIN_TOKENS`, `prefill_tokens`]. Every decode of a step waits for
+  the whole step, so a step within the target is each of its tokens' ITL within it.
+"""
+
+from __future__ import annotations
+
+MIN_TOKENS = 32  # a budget beside decodes never goes below this: prompts keep moving
+GROW_BELOW = 0.8  # of the target: a full step this fast may take more tokens
+GROWTH = 1.25
+
+
+class TokenBudget:
+    def __init__(
+        self, decode_tokens: int, prefill_tokens: int | None, itl_target_s: float | None
+    ) -> None:
+        self.prefill_tokens = max(decode_tokens, prefill_tokens or decode_tokens)
+        self.itl_target_s = itl_target_s
+        self.decode_tokens = decode_tokens  # beside decodes; adapts with an ITL target
+
+    def for_step(self, has_decodes: bool) -> int:
+        return self.decode_tokens if has_decodes else self.prefill_tokens
+
+    def observe(self, num_tokens: int, budget: int, has_decodes: bool, seconds: float) -> None:
+        """A step of `num_tokens` (of `budget`) took `seconds`."""
+        if self.itl_target_s is None or not has_decodes or seconds <= 0:
+            return
+        if seconds > self.itl_target_s:
+            scaled = int(num_tokens * self.itl_target_s / seconds)
+            self.decode_tokens = max(MIN_TOKENS, min(self.decode_tokens, scaled))
+        elif num_tokens >= budget and seconds < GROW_BELOW * self.itl_target_s:
+            grown = max(self.decode_tokens + 1, int(self.decode_tokens * GROWTH))
+            self.decode_tokens = min(self.prefill_tokens, grown)
