@@ -12,7 +12,10 @@ the stream's inbox dropped messages or its shared connection was lost and opened
 and whenever the channel has been silent for `stream_idle_check_s`. A silent request whose
 worker stopped heartbeating after it had started generating is ended here with
 `worker_lost` (`shared/ending.py`), so a stream ends even when no other worker is left to
-notice.
+notice. A request still waiting in its queue checks less and less often (the wait doubles
+after each silent check, up to `lost_after_s`): what it waits for is a worker's first
+event or its queue deadline, and thousands of queued streams would otherwise cost Redis a
+journal read and a meta read each, every second.
 
 A stream can also be interrupted by this process (`Interruption`): it then ends at an
 event's boundary, and its SSE layer says why.
@@ -145,6 +148,7 @@ class Subscription:
     is_closed: bool = False
     _silent_since_s: float = field(default_factory=time.monotonic)
     _last_event_s: float = field(default_factory=time.monotonic)
+    _idle_wait_s: float | None = None  # how long silence lasts before the next check
 
     @property
     def interruption(self) -> Interruption | None:
@@ -183,7 +187,7 @@ class Subscription:
     async def _next_events(self, is_catching_up: bool) -> list[Event]:
         if is_catching_up:
             return await self._read_journal()
-        message = await self.inbox.get(self.broker.timing.idle_check_s)
+        message = await self.inbox.get(self._idle_wait_s or self.broker.timing.idle_check_s)
         if message is Notice.INTERRUPTED:
             return []
         if message is Notice.MISSED:  # dropped here, or the shared connection was lost
@@ -193,7 +197,7 @@ class Subscription:
         return await self._after_message(message)
 
     async def _after_message(self, message: bytes) -> list[Event]:
-        self._silent_since_s = time.monotonic()
+        self._silent_since_s, self._idle_wait_s = time.monotonic(), None
         event = decode_event(message)
         if event.seq <= self.next_seq:
             return [event]
@@ -201,15 +205,22 @@ class Subscription:
         return await self._read_journal()
 
     async def _after_silence(self) -> list[Event]:
+        timing = self.broker.timing
         events = await self._read_journal()
-        if events or time.monotonic() - self._silent_since_s < self.broker.timing.idle_check_s:
+        if events or time.monotonic() - self._silent_since_s < timing.idle_check_s:
             return events
         try:
-            await self._end_if_stuck()
+            has_ended = await self._end_if_stuck()
         except OutOfMemoryError as exc:  # Redis refuses writes for now: next time, then
             log.warning("could not end %s yet: %s", self.info.request_id, exc)
+            has_ended = False
         self._silent_since_s = time.monotonic()
-        return await self._read_journal()
+        if has_ended:
+            return await self._read_journal()
+        if self.next_seq == 0:  # still queued: check less often (module docstring)
+            wait_s = 2 * (self._idle_wait_s or timing.idle_check_s)
+            self._idle_wait_s = min(wait_s, max(timing.idle_check_s, timing.lost_after_s))
+        return []
 
     async def _read_journal(self) -> list[Event]:
         return await self.broker.journal.read_after(self.info.request_id, self.next_seq - 1)
@@ -223,26 +234,30 @@ class Subscription:
             self.is_finished = True
         return event
 
-    async def _end_if_stuck(self) -> None:
+    async def _end_if_stuck(self) -> bool:
         """End the request if it started and its worker stopped heartbeating
         (`worker_lost`), or if it never started and its queue deadline passed
-        (`queue_timeout`, for when no worker is there to say so)."""
+        (`queue_timeout`, for when no worker is there to say so); whether it did.
+
+        Called after a journal read that found nothing new: so the request has started if
+        and only if this stream has seen an event (`next_seq` > 0)."""
         redis, journal = self.broker.redis, self.broker.journal
+        lost_after_s = self.broker.timing.lost_after_s
+        has_started = self.next_seq > 0
+        if has_started and time.monotonic() - self._last_event_s < lost_after_s:
+            return False  # quiet, not yet long enough to tell a dead worker from a pause
         meta = await journal.meta(self.info.request_id)
-        if await journal.last_seq(self.info.request_id) < 0:
+        if not has_started:
             queue_deadline_ts = float(meta.get("queue_deadline_ts", "inf"))
             if time.time() <= queue_deadline_ts:
-                return  # waiting; a live worker will reclaim it if its puller died
+                return False  # waiting; a live worker will reclaim it if its puller died
             code, message = ErrorCode.QUEUE_TIMEOUT, "the request waited past its queue deadline"
         else:
-            lost_after_s = self.broker.timing.lost_after_s
-            if time.monotonic() - self._last_event_s < lost_after_s:
-                return  # quiet, not yet long enough to tell a dead worker from a pause
             owner = meta.get("owner")
             if owner is None or await redis.exists(keys.worker_heartbeat(owner)):
-                return  # its worker is alive
+                return False  # its worker is alive
             if not await recovery.is_broker_settled(redis, lost_after_s):
-                return  # the broker just restarted: its worker may not have beaten yet
+                return False  # the broker just restarted: its worker may not have beaten yet
             code, message = ErrorCode.WORKER_LOST, "the worker generating this request stopped"
         stream, entry_id = meta["stream"], meta["entry_id"]
         entry: tuple[str, str] | None = (stream, entry_id)
@@ -255,7 +270,7 @@ class Subscription:
             # its usage from what was stored when it was enqueued.
             request, entry = _request_from_meta(meta), None
             if request is None:
-                return
+                return False
         await end_request(
             redis,
             journal,
@@ -265,6 +280,7 @@ class Subscription:
             claimer=f"api-{os.getpid()}",
             take_over_after_s=self.broker.timing.lost_after_s,
         )
+        return True  # ended here or by whoever claimed the end first: the journal says
 
     async def close(self, *, cancel_if_unfinished: bool = True) -> None:
         """Stop listening; then, if the request has not ended, tell the workers serving the

@@ -176,13 +176,34 @@ def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
 
 
 def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
+    _stop_all([process])
+
+
+def _stop_all(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to all at once, then wait for each (SIGKILL after 30 s)."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
         process.terminate()
+    for process in running:
         try:
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+# The workers the tests and fixtures of the running module started (not the session's own).
+_MODULE_WORKERS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_module_workers() -> Iterator[None]:
+    """A worker a module started stops with it: an idle worker still polls Redis and
+    heartbeats, and dozens of them left running until the session's end slowed every later
+    test of a two-core machine."""
+    yield
+    _stop_all(_MODULE_WORKERS)
+    _MODULE_WORKERS.clear()
 
 
 @dataclass(frozen=True)
@@ -261,7 +282,12 @@ def start_worker(env, home, redis_server, control_process):
     """Factory: start a worker process for a model and wait until it reports ready."""
     started: list[subprocess.Popen] = []
 
-    def factory(model: str, *args: str, env_overrides: dict[str, str] | None = None):
+    def factory(
+        model: str,
+        *args: str,
+        env_overrides: dict[str, str] | None = None,
+        for_session: bool = False,
+    ):
         log_path = home / f"worker-{model}-{len(started)}.log"
         # No /metrics port unless a test asks for one, and a KV pool of 256 MB, not the CPU
         # default 2 GB (each worker zeroes its pool: a dozen workers alive took 24 GB); `args`
@@ -270,12 +296,13 @@ def start_worker(env, home, redis_server, control_process):
                        str(TEST_KV_CACHE_GB), *args]  # fmt: skip
         process = _spawn(worker_args, env | (env_overrides or {}), log_path)
         started.append(process)
+        if not for_session:  # else it lives as long as the session's fixture that asked
+            _MODULE_WORKERS.append(process)
         _wait_ready(redis_server.url, process, log_path)
         return process
 
     yield factory
-    for process in started:
-        _stop(process)
+    _stop_all(started)
 
 
 def _wait_ready(url: str, process: subprocess.Popen, log_path: Path) -> None:
@@ -311,12 +338,13 @@ def tiny_worker(start_worker, tiny_deployment):
         "--max-num-batched-tokens", "64",
         "--kv-cache-gb", str(TINY_KV_CACHE_GB),
         "--dtype", "float32",  # the 512 bytes per token above are fp32's
+        for_session=True,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def real_worker(start_worker, default_deployment):
-    return start_worker(DEFAULT_MODEL_ID)
+    return start_worker(DEFAULT_MODEL_ID, for_session=True)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ gap-free event streams whatever pub/sub drops, and exactly one end."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -161,3 +162,56 @@ async def test_a_retried_enqueue_queues_the_request_once(journal, aredis, subscr
         keys.model_tenants(request.deployment_name)
     )
     assert 0 < await aredis.ttl(keys.request_meta(request.request_id)) <= 60
+
+
+class _CountingJournal(Journal):
+    """The journal, counting the reads a stream makes of it."""
+
+    num_reads = 0
+
+    async def read_after(self, request_id, after_seq):
+        self.num_reads += 1
+        return await super().read_after(request_id, after_seq)
+
+
+async def _num_reads_while_silent(aredis, subscriber, *, has_started: bool, silent_s: float):
+    journal = _CountingJournal(aredis, ttl_s=60)
+    request = make_request(0, [1, 2, 3], 4, tenant_id=f"t-{uuid.uuid4().hex[:8]}")
+    request = request.model_copy(update={"request_id": uuid.uuid4().hex})
+    subscription = await _broker(aredis, journal, subscriber).submit(request)
+    if has_started:
+        assert await journal.append(request.request_id, _token(0))
+    reading = asyncio.ensure_future(anext(aiter(subscription.events())))
+    if has_started:
+        assert (await asyncio.wait_for(reading, timeout=5)).seq == 0
+        reading = asyncio.ensure_future(anext(aiter(subscription.events())))
+    journal.num_reads = 0
+    await asyncio.sleep(silent_s)
+    reading.cancel()
+    await subscription.close(cancel_if_unfinished=False)
+    return journal.num_reads
+
+
+async def test_a_queued_silent_stream_checks_less_and_less_often(aredis, subscriber):
+    # idle_check_s 0.2: checks after 0.2, 0.4, 0.8, 1.6 s of silence (about 3 s), where one
+    # check every 0.2 s would be 15, two reads of the journal each before.
+    num_reads = await _num_reads_while_silent(aredis, subscriber, has_started=False, silent_s=3)
+    assert 2 <= num_reads <= 6
+
+
+async def test_a_started_silent_stream_keeps_checking_every_idle_check(aredis, subscriber):
+    # Started: its worker may be dead, which the checks must find within the heartbeat timeout.
+    num_reads = await _num_reads_while_silent(aredis, subscriber, has_started=True, silent_s=3)
+    assert num_reads >= 12
+
+
+async def test_a_queued_stream_ends_at_its_queue_deadline_with_no_worker(
+    journal, aredis, subscriber
+):
+    request = make_request(0, [1, 2, 3], 4, tenant_id=f"t-{uuid.uuid4().hex[:8]}")
+    request = request.model_copy(
+        update={"request_id": uuid.uuid4().hex, "queue_deadline_ts": time.time() + 1.0}
+    )
+    subscription = await _broker(aredis, journal, subscriber).submit(request)
+    events = await _collect(subscription)
+    assert [(e.type, e.code) for e in events] == [("error", "queue_timeout")]
