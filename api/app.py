@@ -25,7 +25,7 @@ from api.routes import routes
 from api.security_headers import SecurityHeadersMiddleware
 from api.shutdown import Shutdown
 from api.subscriber import Subscriber, SubscriberClosed
-from shared import deployments
+from shared import deployments, heap
 from shared.db import create_schema, make_engine
 from shared.journal import Journal
 from shared.metrics import ApiMetrics
@@ -69,6 +69,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             broker,
             shutdown,
         )
+        heap.freeze_long_lived()  # the modules and the app: out of every collection
         subscriber.start()
         give_back_signals = shutdown.install()
         # In the background: the API serves at once; a request that comes first waits for

@@ -126,7 +126,9 @@ class Broker:
         except BaseException:
             self.subscriber.stop_listening(inbox)
             raise
-        return Subscription(info, inbox, self)
+        # Subscribed before it was enqueued: every event of it reaches the inbox (or a notice
+        # that some did not), so there is no journal to catch up on first.
+        return Subscription(info, inbox, self, needs_catch_up=False)
 
     async def resume(self, info: RequestInfo, next_seq: int) -> Subscription:
         """Follow a request's events from `next_seq` (a reconnecting client)."""
@@ -144,6 +146,7 @@ class Subscription:
     inbox: Inbox
     broker: Broker
     next_seq: int = 0
+    needs_catch_up: bool = True  # read the journal before listening (a resumed stream)
     is_finished: bool = False
     is_closed: bool = False
     _silent_since_s: float = field(default_factory=time.monotonic)
@@ -162,7 +165,9 @@ class Subscription:
     async def events(self) -> AsyncIterator[Event]:
         """Token events from `next_seq` on, then exactly one final or error event; nothing
         more once interrupted."""
-        is_catching_up = True  # first, and after the broker was away: what the journal holds
+        # First (unless nothing can have been published yet), and after the broker was away:
+        # what the journal holds.
+        is_catching_up = self.needs_catch_up
         outage: _Outage | None = None
         while not self.is_finished and self.inbox.interruption is None:
             try:

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from api.broker import Broker
 from api.router import Router
 from api.shutdown import Shutdown
-from shared import keys, model_source
+from shared import heap, keys, model_source
 from shared.journal import Journal
 from shared.settings import Settings
 from shared.tables import ModelDeployment
@@ -47,6 +47,7 @@ class TokenizerCache:
         async with self._lock:
             if deployment.id not in self._tokenizers:
                 self._tokenizers[deployment.id] = await run_in_threadpool(self._load, deployment)
+                heap.freeze_long_lived()  # a tokenizer is kept for life (`shared/heap.py`)
         return self._tokenizers[deployment.id]
 
     def is_loaded(self, deployment_id: int) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import keys, model_source
+from shared import heap, keys, model_source
 from shared.ending import end_request, failed
 from shared.journal import Journal
 from shared.pool_assignments import POOL_DEDICATED, POOL_SHARED
@@ -186,6 +186,7 @@ class Worker:
                     observed, redis, self._config.metrics_port, self._config.metrics_host
                 )
             )
+            heap.freeze_long_lived()  # the model and modules: out of every collection
             self._state = "ready"
             log.info("worker %s ready for %s", self.worker_id, self._deployment.name)
             try:
