@@ -222,6 +222,14 @@ def bench(
     spike_s: Annotated[float, typer.Option(help="--pool-spike: the spike's seconds.")] = (
         POOL_SPIKE.spike_s
     ),
+    spike_repeats: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="--pool-spike: runs of each platform (seeds --seed, --seed + 1, ...); the "
+            "figures are over all of their spikes' requests.",
+        ),
+    ] = POOL_SPIKE.repeats,
     cuda_graphs: Annotated[
         bool,
         typer.Option(
@@ -241,6 +249,7 @@ def bench(
             warmup_s=spike_warmup_s,
             spike_s=spike_s,
             seed=seed,
+            repeats=spike_repeats,
             source=source,
         )
         _pool_spike(spike, json_path)

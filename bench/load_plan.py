@@ -59,6 +59,9 @@ class SpikePlan:
     tokens_per_s: float = 20.0  # per sequence: a request takes max_tokens / this
     max_num_seqs: int = 8  # each worker: max_num_seqs * tokens_per_s / max_tokens req/s
     seed: int = 0
+    # Each platform is run this many times (seeds `seed`, `seed + 1`, ...), and the figures
+    # are taken over all of their spikes' requests together.
+    repeats: int = 1
     source: str = DEFAULT_MODEL_ID  # whose tokenizer the models use
 
     @property

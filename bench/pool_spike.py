@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from contextlib import closing
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,22 +60,49 @@ def run(plan: SpikePlan, *, echo=print) -> dict[str, Any]:
         f"then {plan.rate_per_s * plan.spike_factor:g}/s for {plan.spike_s:g} s; "
         f"B: {plan.rate_per_s:g}/s"
     )
-    runs = {}
-    for name, third in THIRD_WORKER.items():
-        echo(f"{name} ...")
-        runs[name] = _run_once(plan, third)
-        echo(format_run(name, runs[name]))
-    with_, without = runs["with_shared_worker"], runs["without_shared_worker"]
+    repeats = []
+    for index in range(plan.repeats):
+        seeded = replace(plan, seed=plan.seed + index)  # the same arrivals for each run
+        runs = {}
+        for name, third in THIRD_WORKER.items():
+            echo(f"{name} (seed {seeded.seed}) ...")
+            runs[name] = _run_once(seeded, third)
+            echo(format_run(name, runs[name]))
+        repeats.append(runs)
+    # Each run's spike holds some 70 of B's requests, so its p99 is one or two requests:
+    # the ratios are taken over every repeat's requests together.
+    pooled = {name: _pooled([runs[name] for runs in repeats]) for name in THIRD_WORKER}
+    with_, without = pooled["with_shared_worker"], pooled["without_shared_worker"]
     return {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": platform_load._machine(),
         "plan": asdict(plan) | {"capacity_per_s": plan.capacity_per_s},
-        "runs": runs,
+        "runs": repeats[0],
+        "repeats": repeats,
+        "pooled": pooled,
         "a_ttft_p99_ratio": with_["a"]["ttft_p99_s"] / without["a"]["ttft_p99_s"],
         "b_ttft_p99_ratio": with_["b"]["ttft_p99_s"] / without["b"]["ttft_p99_s"],
         "b_ttft_p99_ratio_same_hosts": with_["b"]["ttft_p99_s"]
-        / runs["second_dedicated_a_worker"]["b"]["ttft_p99_s"],
+        / pooled["second_dedicated_a_worker"]["b"]["ttft_p99_s"],
     }
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each model's TTFT over the spikes of all `runs` (one platform's repeats)."""
+    pooled = {}
+    for model in ("a", "b"):
+        ttfts = sorted(
+            ttft for run in runs for _, ttft in run[model]["ttft_by_arrival_s"] if ttft is not None
+        )
+        cuts = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else None
+        pooled[model] = {
+            "num_requests": sum(run[model]["num_requests"] for run in runs),
+            "num_errors": sum(run[model]["num_errors"] for run in runs),
+            "ttft_p50_s": cuts[49] if cuts else None,
+            "ttft_p99_s": cuts[98] if cuts else None,
+            "ttft_max_s": ttfts[-1] if ttfts else None,
+        }
+    return pooled
 
 
 def format_run(name: str, result: dict[str, Any]) -> str:
@@ -91,7 +118,13 @@ def format_run(name: str, result: dict[str, Any]) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    return (
+    pooled = "".join(
+        f"{name}, all {len(report['repeats'])} repeats: "
+        + format_run(name, runs | {"shared_moved_s": None})
+        + "\n"
+        for name, runs in report["pooled"].items()
+    )
+    return pooled + (
         f"A's TTFT p99 with the shared worker / without: {report['a_ttft_p99_ratio']:.2f}; "
         f"B's: {report['b_ttft_p99_ratio']:.2f} (against a second dedicated A worker: "
         f"{report['b_ttft_p99_ratio_same_hosts']:.2f})"

@@ -1,6 +1,7 @@
-"""`llmfleet bench --pool-spike` end to end, short: three platforms of its own (with a shared
-worker, without, with a second dedicated worker for A), every request served, the report
-filled, and the shared worker seen on its first model before the spike."""
+"""`llmfleet bench --pool-spike` end to end, short and repeated twice: three platforms of
+its own (with a shared worker, without, with a second dedicated worker for A), every request
+served, the report filled, the figures over both repeats, and the shared worker seen on its
+first model before the spike."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def test_pool_spike_reports_all_three_runs_without_errors(env, tiny_model_dir, t
     out = tmp_path / "spike.json"
     args = [
         "--pool-spike", "--spike-rate-per-s", "1", "--spike-warmup-s", "3", "--spike-s", "8",
-        "--source", str(tiny_model_dir), "--json", str(out),
+        "--spike-repeats", "2", "--source", str(tiny_model_dir), "--json", str(out),
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "cli", "bench", *args],
@@ -34,3 +35,12 @@ def test_pool_spike_reports_all_three_runs_without_errors(env, tiny_model_dir, t
     assert first_seen[1] == "spike-b"  # its first model
     assert runs["without_shared_worker"]["shared_states"] == []
     assert report["a_ttft_p99_ratio"] > 0 and report["b_ttft_p99_ratio_same_hosts"] > 0
+    # Two repeats of each platform, and the figures over both of their spikes.
+    assert len(report["repeats"]) == 2 and report["runs"] == report["repeats"][0]
+    for name, pooled in report["pooled"].items():
+        for model in ("a", "b"):
+            num_requests = sum(runs[name][model]["num_requests"] for runs in report["repeats"])
+            assert pooled[model]["num_requests"] == num_requests
+            assert pooled[model]["ttft_p99_s"] >= max(
+                runs[name][model]["ttft_p50_s"] for runs in report["repeats"]
+            )
