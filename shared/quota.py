@@ -204,7 +204,10 @@ async def admit_request(
 async def admit_tokens(
     redis: aioredis.Redis, limits: TenantLimits, request: QueuedRequest, max_lifetime_s: float
 ) -> Refusal | None:
-    """After `admit_request`: take the request's reservation from its tokens per minute."""
+    """After `admit_request`: take the request's reservation from its tokens per minute
+    (nothing to take, and no call to Redis, for a tenant without that limit)."""
+    if limits.tokens_per_minute is None:
+        return None
     tokens_only = TenantLimits(tokens_per_minute=limits.tokens_per_minute)
     return await _admit(
         redis,

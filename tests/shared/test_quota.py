@@ -10,6 +10,7 @@ import asyncio
 import uuid
 
 import pytest
+import redis.asyncio as aioredis
 
 from shared import keys, quota
 from shared.tenants import TenantLimits
@@ -160,3 +161,21 @@ async def test_release_gives_back_the_request_and_its_tokens(aredis, rdb, tenant
     assert _level(rdb, tenant_id, "rpm") == 1
     assert _level(rdb, tenant_id, "tpm") == 100
     assert await _admit(aredis, tenant_id, 1, limits) is None
+
+
+async def test_without_a_tokens_limit_taking_the_tokens_costs_no_call(own_redis, tenant_id):
+    # The admission path's second script only takes tokens: without a tokens-per-minute limit
+    # it has nothing to take, and costs every request a round trip to Redis for nothing.
+    client = aioredis.Redis.from_url(own_redis.url)
+    try:
+        request = make_request(0, [1, 2, 3], 8, tenant_id=tenant_id)
+        assert await quota.admit_request(client, TenantLimits(), tenant_id, "r", 60) is None
+        await client.config_resetstat()
+        assert await quota.admit_tokens(client, TenantLimits(), request, 60) is None
+        stats = await client.info("commandstats")
+        assert not any(name.startswith("cmdstat_eval") for name in stats), stats
+        limited = TenantLimits(tokens_per_minute=5)
+        refusal = await quota.admit_tokens(client, limited, request, 60)
+        assert refusal is not None and refusal.limit == "tokens_per_minute"
+    finally:
+        await client.aclose()
