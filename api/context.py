@@ -31,33 +31,34 @@ T = TypeVar("T")
 
 @dataclass
 class TokenizerCache:
-    """One tokenizer per deployment, loaded off the event loop the first time it is needed."""
+    """One tokenizer per model source (the deployments of one source, such as the versions
+    and test deployments of the same weights, share it), loaded off the event loop the first
+    time it is needed."""
 
     settings: Settings
-    _tokenizers: dict[int, object] = field(default_factory=dict)
+    _tokenizers: dict[str, object] = field(default_factory=dict)
     # One load at a time, whatever the deployment: two threads importing transformers'
     # lazily loaded modules at once fail ("cannot import name 'AutoTokenizer'"), as the
     # startup's warm-up and a first request did.
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def get(self, deployment: ModelDeployment):
-        assert deployment.id is not None
-        if (tokenizer := self._tokenizers.get(deployment.id)) is not None:
+        source = deployment.source
+        if (tokenizer := self._tokenizers.get(source)) is not None:
             return tokenizer
         async with self._lock:
-            if deployment.id not in self._tokenizers:
-                self._tokenizers[deployment.id] = await run_in_threadpool(self._load, deployment)
+            if source not in self._tokenizers:
+                self._tokenizers[source] = await run_in_threadpool(self._load, deployment)
                 heap.freeze_long_lived()  # a tokenizer is kept for life (`shared/heap.py`)
-        return self._tokenizers[deployment.id]
-
-    def is_loaded(self, deployment_id: int) -> bool:
-        return deployment_id in self._tokenizers
+        return self._tokenizers[source]
 
     async def warm(self, deployments: list[ModelDeployment]) -> None:
         """Load these deployments' tokenizers ahead of their first request (the first load
-        takes seconds, and every request for the deployment waits on it). A deployment whose
-        tokenizer fails to load is left for its requests to report."""
-        for deployment in deployments:
+        takes seconds, and every request for the deployment waits on it), once per source: a
+        load holds the GIL for much of its time, so each one slows this process's event
+        loop. A deployment whose tokenizer fails to load is left for its requests to report."""
+        by_source = {deployment.source: deployment for deployment in deployments}
+        for deployment in by_source.values():
             try:
                 await self.get(deployment)
             except Exception:

@@ -151,6 +151,9 @@ class SteadyLoad:
             "model": model,
             "prompt": "Once upon a time",
             "max_tokens": max_tokens,
+            # The tiny model's random weights may sample its end-of-text token first: each
+            # request is to end by its length, whatever it samples.
+            "ignore_eos": True,
             "stream_options": {"include_usage": True},
         }
         self.url, self.key = url, key
