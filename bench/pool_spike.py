@@ -118,10 +118,9 @@ def format_run(name: str, result: dict[str, Any]) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    num_repeats = len(report["repeats"])
     pooled = "".join(
-        f"{name}, all {len(report['repeats'])} repeats: "
-        + format_run(name, runs | {"shared_moved_s": None})
-        + "\n"
+        format_run(f"{name}, all {num_repeats} runs", runs | {"shared_moved_s": None}) + "\n"
         for name, runs in report["pooled"].items()
     )
     return pooled + (
