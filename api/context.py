@@ -52,6 +52,9 @@ class TokenizerCache:
                 heap.freeze_long_lived()  # a tokenizer is kept for life (`shared/heap.py`)
         return self._tokenizers[source]
 
+    def is_loaded(self, deployment: ModelDeployment) -> bool:
+        return deployment.source in self._tokenizers
+
     async def warm(self, deployments: list[ModelDeployment]) -> None:
         """Load these deployments' tokenizers ahead of their first request (the first load
         takes seconds, and every request for the deployment waits on it), once per source: a

@@ -15,6 +15,6 @@ def test_active_deployments_tokenizers_load_at_startup_without_a_request(setting
     with TestClient(create_app(settings)) as client:
         tokenizers = client.app_state["ctx"].tokenizers
         deadline_s = time.monotonic() + 60
-        while not tokenizers.is_loaded(tiny_deployment.id) and time.monotonic() < deadline_s:
+        while not tokenizers.is_loaded(tiny_deployment) and time.monotonic() < deadline_s:
             time.sleep(0.05)
-        assert tokenizers.is_loaded(tiny_deployment.id)
+        assert tokenizers.is_loaded(tiny_deployment)
