@@ -91,18 +91,23 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each model's TTFT over the spikes of all `runs` (one platform's repeats)."""
     pooled = {}
     for model in ("a", "b"):
-        ttfts = sorted(
-            ttft for run in runs for _, ttft in run[model]["ttft_by_arrival_s"] if ttft is not None
-        )
-        cuts = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else None
+        ttfts = [ttft for run in runs for _, ttft in run[model]["ttft_by_arrival_s"]]
         pooled[model] = {
             "num_requests": sum(run[model]["num_requests"] for run in runs),
             "num_errors": sum(run[model]["num_errors"] for run in runs),
-            "ttft_p50_s": cuts[49] if cuts else None,
-            "ttft_p99_s": cuts[98] if cuts else None,
-            "ttft_max_s": ttfts[-1] if ttfts else None,
+            **_ttft_figures([t for t in ttfts if t is not None]),
         }
     return pooled
+
+
+def _ttft_figures(ttfts: list[float]) -> dict[str, float | None]:
+    ttfts = sorted(ttfts)
+    cuts = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else None
+    return {
+        "ttft_p50_s": cuts[49] if cuts else None,
+        "ttft_p99_s": cuts[98] if cuts else None,
+        "ttft_max_s": ttfts[-1] if ttfts else None,
+    }
 
 
 def format_run(name: str, result: dict[str, Any]) -> str:
@@ -229,15 +234,12 @@ def _drive(
 def _summary(results: list[RequestResult], specs: list[RequestSpec], since_s: float) -> dict:
     """Of the requests that arrived during the spike."""
     during = [r for r, spec in zip(results, specs, strict=True) if spec.arrival_s >= since_s]
-    ttfts = sorted(r.ttft_s for r in during if r.is_ok and r.ttft_s is not None)
-    cuts = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else None
+    ttfts = [r.ttft_s for r in during if r.is_ok and r.ttft_s is not None]
     return {
         "num_requests": len(during),
         "num_errors": sum(not r.is_ok for r in during),
         "errors": sorted({r.error or "" for r in during if not r.is_ok})[:5],
-        "ttft_p50_s": cuts[49] if cuts else None,
-        "ttft_p99_s": cuts[98] if cuts else None,
-        "ttft_max_s": ttfts[-1] if ttfts else None,
+        **_ttft_figures(ttfts),
         # (arrival s into the spike, TTFT s) of each: when the slow ones came
         "ttft_by_arrival_s": [
             (round(spec.arrival_s - since_s, 3), None if r.ttft_s is None else round(r.ttft_s, 4))

@@ -215,3 +215,19 @@ async def test_a_queued_stream_ends_at_its_queue_deadline_with_no_worker(
     subscription = await _broker(aredis, journal, subscriber).submit(request)
     events = await _collect(subscription)
     assert [(e.type, e.code) for e in events] == [("error", "queue_timeout")]
+
+
+async def test_a_fresh_stream_reads_no_journal_before_its_first_event(aredis, subscriber):
+    # Subscribed before its request was enqueued: its events come over pub/sub, and a read
+    # of the (empty) journal first would be a round trip to Redis per request for nothing.
+    journal = _CountingJournal(aredis, ttl_s=60)
+    request = make_request(0, [1, 2, 3], 4, tenant_id=f"t-{uuid.uuid4().hex[:8]}")
+    request = request.model_copy(update={"request_id": uuid.uuid4().hex})
+    subscription = await _broker(aredis, journal, subscriber, idle_check_s=30).submit(request)
+    reading = asyncio.ensure_future(anext(aiter(subscription.events())))
+    await asyncio.sleep(0.1)
+    assert await journal.append(request.request_id, _token(0, "a"))  # appends and publishes
+    first = await asyncio.wait_for(reading, timeout=5)
+    await subscription.close(cancel_if_unfinished=False)
+    assert (first.seq, first.text) == (0, "a")
+    assert journal.num_reads == 0
