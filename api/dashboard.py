@@ -110,6 +110,8 @@ def _model_json(snapshot: FleetSnapshot, snap: ModelSnapshot) -> dict:
         "ttft_s": _latency_json(snap.ttft),
         "itl_s": _latency_json(snap.itl),
         "queues": queues,
+        # Workers by state: `loading`, `standby` (loaded, not serving), `ready`, `draining`.
+        "num_workers_by_state": dict(snap.num_workers_by_state()),
         "workers": [asdict(w) for w in snap.workers],
     }
 

@@ -1,8 +1,9 @@
 """`llmfleet status`: the fleet snapshot (`shared/fleet.py`) as tables in the terminal.
 
 The figures are the ones `/dashboard` draws and the API's `/metrics` exports: per model
-version (`model@version`) the KV-cache usage, batch occupancy and TTFT/ITL p50/p99 over the
-last window; the live workers; the queue state of every tenant stream (entries, pending, not
+version (`model@version`) the workers ready (and on standby), KV-cache usage, batch occupancy
+and TTFT/ITL p50/p99 over the last window; the live workers, by state (`loading`, `standby`,
+`ready`, `draining`); the queue state of every tenant stream (entries, pending, not
 yet delivered, consumers); and, under `llmfleet up`, the processes it supervises with their
 restarts and last exit.
 """
@@ -16,7 +17,7 @@ from rich.table import Table
 from sqlalchemy.engine import Engine
 
 from shared import fleet
-from shared.fleet import FleetSnapshot
+from shared.fleet import FleetSnapshot, ModelSnapshot
 from shared.redis_conn import async_client
 from shared.settings import Settings
 
@@ -54,10 +55,9 @@ def models_table(snapshot: FleetSnapshot, window_s: float) -> Table:
     for name in ["TTFT P50", "TTFT P99", "ITL P50", "ITL P99", "SAMPLES"]:
         table.add_column(name, justify="right")
     for model, snap in snapshot.models.items():
-        num_ready = snap.num_workers_by_state()["ready"]
         table.add_row(
             model,
-            f"{num_ready}/{len(snap.workers)}",
+            _num_workers(snap),
             str(sum(w.num_running for w in snap.workers)),
             str(sum(w.num_waiting for w in snap.workers)),
             str(snap.num_queued),
@@ -72,11 +72,19 @@ def models_table(snapshot: FleetSnapshot, window_s: float) -> Table:
     return table
 
 
+def _num_workers(snap: ModelSnapshot) -> str:
+    """Ready out of all, and how many of them are on standby (loaded, not serving)."""
+    by_state = snap.num_workers_by_state()
+    ready = f"{by_state['ready']}/{len(snap.workers)}"
+    return f"{ready} ({by_state['standby']} standby)" if by_state["standby"] else ready
+
+
 def workers_table(snapshot: FleetSnapshot) -> Table:
     table = Table(title="Workers (heartbeats)", title_justify="left")
     for name in ["WORKER", "POOL", "MODEL", "STATE"]:
         table.add_column(name)
-    for name in ["RUNNING", "WAITING", "MAX SEQS", "KV CACHE", "PREEMPTIONS", "HEARTBEAT AGE"]:
+    for name in ["RUNNING", "WAITING", "MAX SEQS", "KV CACHE", "PREEMPTIONS", "SERVED TOKENS",
+                 "HEARTBEAT AGE"]:  # fmt: skip
         table.add_column(name, justify="right")
     for snap in snapshot.models.values():
         for w in snap.workers:
@@ -90,6 +98,7 @@ def workers_table(snapshot: FleetSnapshot) -> Table:
                 "-" if w.max_num_seqs is None else str(w.max_num_seqs),
                 _percent(w.kv_cache_usage),
                 str(w.num_preemptions),
+                str(w.num_served_tokens),
                 f"{w.heartbeat_age_s:.1f} s",
             )
     return table

@@ -5,7 +5,7 @@ One snapshot feeds the API's `/metrics` (queue gauges), `/dashboard/data` and `l
 status`, so the three always agree. Queue depth is XLEN of the tenant's stream: entries are
 deleted when acknowledged, so it counts both the entries no worker has taken yet and the
 pending ones (taken, not acknowledged; XINFO GROUPS on the `workers` group). Worker figures
-come from the heartbeat hashes (`worker/service.py`), at most one heartbeat period old.
+come from the heartbeat hashes (`worker/heartbeat.py`), at most one heartbeat period old.
 Under `llmfleet up`, the processes it supervises (restarts, last exit) come from its record
 (`shared/supervised.py`).
 """
@@ -47,7 +47,7 @@ class QueueState:
 class WorkerState:
     worker_id: str
     model: str
-    state: str
+    state: str  # loading, standby, ready or draining (`worker/service.py`)
     heartbeat_age_s: float
     num_running: int = 0
     num_waiting: int = 0
@@ -59,6 +59,11 @@ class WorkerState:
     pool_models: tuple[str, ...] = ()  # a shared worker's: those it may serve
     serving_since_s: float | None = None  # when it began serving this version
     load_s: Mapping[str, float] = field(default_factory=dict)  # its measured loads, per model
+    # Running totals since the worker started: tokens served (prompts and outputs) and
+    # requests ended; a rate is the difference between two heartbeats over their ages.
+    num_served_tokens: int = 0
+    num_finished_requests: int = 0
+    activation_s: float | None = None  # its last activation from standby: role read to ready
 
     @property
     def deployment_name(self) -> str:
@@ -84,6 +89,9 @@ class WorkerState:
             pool_models=tuple(m for m in fields.get("pool_models", "").split(",") if m),
             serving_since_s=number("serving_since", float),
             load_s=json.loads(fields.get("load_s", "{}")),
+            num_served_tokens=number("num_served_tokens") or 0,
+            num_finished_requests=number("num_finished_requests") or 0,
+            activation_s=number("activation_s", float),
         )
 
 

@@ -55,6 +55,16 @@ Layout (all under the `llmfleet:` prefix):
 - `llmfleet:pool:assignments`     hash: shared-pool worker id -> JSON `{"model", "at"}`, the model
                                   the control process assigned it and since when
                                   (`control/pool.py`); each shared worker follows its own.
+- `llmfleet:arrivals:{deployment}:{bucket}` hash with a TTL: requests admitted to a model
+                                  version in one `ARRIVAL_BUCKET_S` bucket (`bucket` = its start,
+                                  unix s), fields `requests` and `prompt_tokens`; the API's
+                                  enqueue script counts, the autoscaler reads (`control/scaler.py`).
+- `llmfleet:autoscale:{deployment}` hash: the autoscaler's latest decision for a model version
+                                  (policy, workers wanted ready and on standby, forecast); the
+                                  local actuator (`llmfleet up --autoscale`) and KEDA read it.
+- `llmfleet:autoscale:roles`      hash: worker id -> `active` or `standby`, as the autoscaler
+                                  wants it; a worker without an entry keeps the role it started
+                                  with (`llmfleet worker --standby`).
 """
 
 from __future__ import annotations
@@ -65,6 +75,8 @@ WORKER_GROUP = "workers"
 CONTROL_QUEUE = f"{PREFIX}:control"
 SUPERVISED_PROCESSES = f"{PREFIX}:up"
 POOL_ASSIGNMENTS = f"{PREFIX}:pool:assignments"
+AUTOSCALE_ROLES = f"{PREFIX}:autoscale:roles"
+ARRIVAL_BUCKET_S = 5
 
 
 def deployment_name(model_id: str, version: str) -> str:
@@ -161,3 +173,11 @@ def request_resume_streams(request_id: str) -> str:
 
 def tenant_resume_streams(tenant: str) -> str:
     return f"{PREFIX}:resume-tenant:{tenant}"
+
+
+def arrivals(deployment: str, bucket_start_s: int) -> str:
+    return f"{PREFIX}:arrivals:{deployment}:{bucket_start_s}"
+
+
+def autoscale_decision(deployment: str) -> str:
+    return f"{PREFIX}:autoscale:{deployment}"

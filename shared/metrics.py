@@ -53,6 +53,7 @@ REQUEST_BUCKETS_S = (
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+ACTIVATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 
 # A worker serves one version of a model: its series carry both.
 MODEL = ("model", "version")
@@ -149,6 +150,12 @@ class WorkerMetrics:
             "Of them, tokens found cached (a tenant's own earlier blocks) and not computed.",
             MODEL, registry=r,
         )  # fmt: skip
+        self.activation_s = Histogram(
+            "llmfleet_worker_activation_seconds",
+            "A standby worker's activation: from reading its role `active` to serving (the "
+            "engine built, its KV pool allocated, the serving machinery started).",
+            MODEL, buckets=ACTIVATION_BUCKETS_S, registry=r,
+        )  # fmt: skip
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -208,7 +215,8 @@ class FleetCollector(Collector):
         )
         workers = GaugeMetricFamily(
             "llmfleet_workers",
-            "Workers with a live heartbeat, by state.",
+            "Workers with a live heartbeat, by state: loading, standby (weights loaded, no KV "
+            "pool, pulling nothing), ready, draining.",
             labels=["model", "version", "state"],
         )
         age = GaugeMetricFamily(

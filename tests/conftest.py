@@ -279,7 +279,8 @@ def control_process(env, home, settings, db) -> Iterator[subprocess.Popen]:
 
 @pytest.fixture(scope="session")
 def start_worker(env, home, redis_server, control_process):
-    """Factory: start a worker process for a model and wait until it reports ready."""
+    """Factory: start a worker process for a model and wait until it reports ready (or the
+    `state` asked for: `standby` for `--standby`)."""
     started: list[subprocess.Popen] = []
 
     def factory(
@@ -287,6 +288,7 @@ def start_worker(env, home, redis_server, control_process):
         *args: str,
         env_overrides: dict[str, str] | None = None,
         for_session: bool = False,
+        state: str = "ready",
     ):
         log_path = home / f"worker-{model}-{len(started)}.log"
         # No /metrics port unless a test asks for one, and a KV pool of 256 MB, not the CPU
@@ -298,14 +300,14 @@ def start_worker(env, home, redis_server, control_process):
         started.append(process)
         if not for_session:  # else it lives as long as the session's fixture that asked
             _MODULE_WORKERS.append(process)
-        _wait_ready(redis_server.url, process, log_path)
+        _wait_ready(redis_server.url, process, log_path, state)
         return process
 
     yield factory
     _stop_all(started)
 
 
-def _wait_ready(url: str, process: subprocess.Popen, log_path: Path) -> None:
+def _wait_ready(url: str, process: subprocess.Popen, log_path: Path, state: str = "ready") -> None:
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + PROCESS_START_TIMEOUT_S
     try:
@@ -314,10 +316,11 @@ def _wait_ready(url: str, process: subprocess.Popen, log_path: Path) -> None:
                 raise RuntimeError(f"worker exited:\n{log_path.read_text()}")
             for key in client.scan_iter(keys.worker_heartbeat_pattern()):
                 info = client.hgetall(key)
-                if info.get(b"pid") == str(process.pid).encode() and info.get(b"state") == b"ready":
+                is_ours = info.get(b"pid") == str(process.pid).encode()
+                if is_ours and info.get(b"state") == state.encode():
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"worker not ready in time:\n{log_path.read_text()}")
+        raise RuntimeError(f"worker not {state} in time:\n{log_path.read_text()}")
     finally:
         client.close()
 

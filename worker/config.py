@@ -50,5 +50,15 @@ class EngineConfig:
     # size and context (`worker/runner/decode_graphs.py`); ignored on the CPU
     cuda_graphs: bool = True
 
+    @property
+    def max_num_seqs_in_batch(self) -> int:
+        """Places in the batch, as the engine built from this reports them
+        (`EngineStats.max_num_seqs`), known before it is built."""
+        if self.batching == "one":
+            return 1
+        if self.batching == "static":
+            return self.max_batch_size
+        return self.max_num_seqs
+
 
 DEFAULT_ENGINE = EngineConfig()  # the defaults, for the command lines' options

@@ -3,6 +3,14 @@ told to stop.
 
 The engine step runs on a dedicated thread (torch releases the GIL in its kernels), so Redis
 I/O, cancellations and heartbeats go on in the event loop while the model computes.
+
+A worker's states, as its heartbeat says them: `loading` (weights and tokenizer on their
+way), `standby` (loaded, but no engine and no KV pool: it pulls nothing and is no ready
+capacity), `ready` (serving), `draining` (pulling nothing, its requests that have not
+started handed back, the running ones finishing). A dedicated worker follows the role the
+autoscaler gives it (`worker/role.py`): `active` builds the engine over the loaded weights
+(`worker/weights.py`) and serves; `standby` drains as SIGTERM does, then drops the engine
+and keeps the weights. Same worker id and heartbeat throughout; SIGTERM ends any state.
 """
 
 from __future__ import annotations
@@ -10,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -24,15 +31,15 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared import heap, keys, model_source
+from shared import heap, keys
 from shared.ending import end_request, failed
 from shared.journal import Journal
-from shared.pool_assignments import POOL_DEDICATED, POOL_SHARED
+from shared.pool_assignments import POOL_DEDICATED
 from shared.protocol import ErrorCode, decode_cancel
-from shared.redis_conn import BROKER_ERRORS, async_client, retrying, text
+from shared.redis_conn import BROKER_ERRORS, async_client, retrying
 from shared.settings import Settings
 from shared.tables import ModelDeployment
-from worker import echo_engine, telemetry
+from worker import heartbeat, role, telemetry
 from worker.config import EngineConfig
 from worker.detokenizer import Decoder
 from worker.engine import Engine, EngineStats
@@ -41,6 +48,13 @@ from worker.pool_service import PoolService
 from worker.publisher import Publisher
 from worker.recovery import Reclaimer
 from worker.sequence import Sequence, SequenceOutput
+from worker.weights import (
+    Weights,
+    build_engine,
+    import_loaders,
+    load_weights,
+    release_engine_memory,
+)
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -63,6 +77,9 @@ class WorkerConfig:
     # serve, which the control process chooses among (`control/pool.py`).
     pool: str = POOL_DEDICATED
     pool_models: tuple[str, ...] = ()
+    # A dedicated worker's role until the autoscaler gives it one (`worker/role.py`): on
+    # standby (`--standby`: weights loaded, no engine, nothing pulled), or serving.
+    standby: bool = False
     # Fault injection, for tests only (`LLMFLEET_FAULT_STEP_DELAY_MS`): wait this long before
     # each engine step, a deliberately slow version.
     fault_step_delay_s: float = 0.0
@@ -113,11 +130,23 @@ class Worker:
         self._serving_since_s = time.time()
         self._state = "starting"
         self._stopping = asyncio.Event()
+        # Stop pulling and drain what is held: on SIGTERM, or on the way to standby.
+        self._draining = asyncio.Event()
+        self._beat_soon = asyncio.Event()  # the state changed: beat now, not a period later
+        self._start_role = role.STANDBY if config.standby else role.ACTIVE
+        # The autoscaler's roles are for dedicated workers: a shared one follows the pool's
+        # assignments (`worker/pool_member.py`).
+        self._follows_roles = config.pool == POOL_DEDICATED
+        self._telemetry: telemetry.Telemetry | None = None  # once the weights are loaded
+        self._activation_s: float | None = None  # the last activation from standby
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._stats: EngineStats | None = None  # as of the last step, for the heartbeat
         self._heartbeat_timeout_s = settings.worker_heartbeat_timeout_s
+        # While serving: keep this worker's entries claimed, reclaim dead workers'. The lock
+        # keeps a reclaim in flight from adding entries once serving has ended.
         self._recovery: tuple[Publisher, Reclaimer] | None = None
+        self._recovery_lock = asyncio.Lock()
         self._reclaimed: list[StreamEntry] = []
         # All torch work (load, KV pool allocation, every step) runs on this one thread: each
         # thread that runs a parallel torch op gets an OpenMP team of its own, and with two
@@ -128,108 +157,194 @@ class Worker:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn)
 
     def stop(self) -> None:
-        """Graceful shutdown (SIGTERM): stop pulling, hand the requests that have not started
-        back to the queue, let running ones finish within `worker_drain_timeout_s`, end the
-        rest with `worker_shutdown`, then `run` returns. Its heartbeat says `draining`, so
-        the API stops routing new requests of a canary version to it."""
+        """Graceful shutdown (SIGTERM), in any state: stop pulling, hand the requests that
+        have not started back to the queue, let running ones finish within
+        `worker_drain_timeout_s`, end the rest with `worker_shutdown`, then `run` returns.
+        Its heartbeat says `draining`, so the API stops routing new requests of a canary
+        version to it. A worker on standby holds nothing: it exits at once."""
         if self._state == "ready":
-            self._state = "draining"
+            self._set_state("draining")
         self._stopping.set()
+        self._draining.set()
 
     async def run(self) -> None:
         redis = async_client(self._settings.redis_url)
-        heartbeat = asyncio.create_task(self._heartbeat(redis))
+        beating = asyncio.create_task(self._heartbeat(redis))
         try:
-            self._state = "loading"
-            # The modules first: a load timed without them is what a shared worker's move to
-            # this model costs (its process has them already), which the pool weighs.
-            await self._on_engine_thread(self._import_loaders)
-            loading_since_s = time.monotonic()
-            engine, tokenizer, eos_token_ids = await self._on_engine_thread(self._load)
-            self._load_times_s[self._deployment.model_id] = time.monotonic() - loading_since_s
-            self._stats = engine.stats()
-            observed = telemetry.Telemetry(
+            weights = await self._load_weights()
+            observed = self._telemetry = telemetry.Telemetry(
                 self._deployment.model_id,
-                self._stats.max_num_seqs,
+                self._config.engine.max_num_seqs_in_batch,
                 version=self._deployment.version,
             )
-            intake = Intake(
-                redis,
-                self._deployment.name,
-                self.worker_id,
-                is_fair=is_fair(self._config.engine),
-                preferred_tenants=self._config.preferred_tenants,
-            )
-            journal = Journal(redis, self._settings.journal_ttl_s, self._settings.resume_grace_s)
-            publisher = Publisher(
-                redis, intake, journal, self.worker_id, self._settings.broker_retry_s
-            )
-            reclaimer = Reclaimer(
-                redis,
-                intake,
-                journal,
-                self.worker_id,
-                self._heartbeat_timeout_s,
-                is_own=lambda request_id: (
-                    request_id in publisher.inflight
-                    or any(e.request.request_id == request_id for e in self._reclaimed)
+            # For the worker's life, in every state: its /metrics (a standby worker still
+            # answers a scrape), and the cancels of requests still queued, which it may
+            # serve once active.
+            lifelong = [
+                asyncio.create_task(
+                    telemetry.export(
+                        observed, redis, self._config.metrics_port, self._config.metrics_host
+                    )
                 ),
-            )
-            self._recovery = (publisher, reclaimer)
-            serving = _Serving(
-                engine, observed, intake, publisher, self._pool_service(redis), tokenizer,
-                eos_token_ids,
-            )  # fmt: skip
-            cancels = asyncio.create_task(self._listen_for_cancels(redis))
-            exporter = asyncio.create_task(
-                telemetry.export(
-                    observed, redis, self._config.metrics_port, self._config.metrics_host
-                )
-            )
-            heap.freeze_long_lived()  # the model and modules: out of every collection
-            self._state = "ready"
-            log.info("worker %s ready for %s", self.worker_id, self._deployment.name)
+                asyncio.create_task(self._listen_for_cancels(redis)),
+            ]
             try:
-                await self._loop(serving)
-                await self._end_unfinished(redis, journal, serving)
+                while await self._until_active(redis):
+                    await self._serve(redis, weights, observed)
+                    if not self._stopping.is_set():
+                        await self._park(weights)
             finally:
-                cancels.cancel()
-                exporter.cancel()
-                await publisher.drain()
+                for task in lifelong:
+                    task.cancel()
         finally:
-            heartbeat.cancel()
+            beating.cancel()
             if not self._keep_heartbeat:
                 await redis.delete(keys.worker_heartbeat(self.worker_id))
             await redis.zrem(keys.ready_workers(self._deployment.name), self.worker_id)
             await redis.zrem(keys.model_capacity(self._deployment.name), self.worker_id)
             await redis.aclose()
 
+    async def _load_weights(self) -> Weights:
+        self._set_state("loading")
+        # The modules first: a load timed without them is what a shared worker's move to this
+        # model costs (its process has them already), which the pool weighs.
+        await self._on_engine_thread(functools.partial(import_loaders, self._config.engine))
+        loading_since_s = time.monotonic()
+        weights = await self._on_engine_thread(
+            functools.partial(
+                load_weights,
+                self._deployment.source,
+                self._settings.home / "cache",
+                self._config.engine,
+                self._config.device,
+                self._config.dtype,
+            )
+        )
+        # The engine's build is added when the worker serves at once (`_ready`).
+        self._load_times_s[self._deployment.model_id] = time.monotonic() - loading_since_s
+        heap.freeze_long_lived()  # the model and modules: out of every collection
+        return weights
+
+    async def _until_active(self, redis: aioredis.Redis) -> bool:
+        """On standby until the role says `active` (True), or until stopped (False). A
+        worker that starts active and has no role saying otherwise goes on at once."""
+        while not self._stopping.is_set():
+            if await self._read_role(redis) == role.ACTIVE:
+                return True
+            if self._state != "standby":
+                self._set_state("standby")
+                log.info("worker %s on standby for %s", self.worker_id, self._deployment.name)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), role.ROLE_POLL_S)
+        return False
+
+    async def _read_role(self, redis: aioredis.Redis) -> str | None:
+        """The role wanted now; None while the broker does not answer (nothing changes)."""
+        if not self._follows_roles:
+            return self._start_role
+        try:
+            entry = await role.read_entry(redis, self.worker_id)
+        except (RedisError, OSError):
+            return None  # the heartbeat says what is wrong with the broker
+        return role.role_of(entry, self._start_role)
+
+    async def _serve(
+        self, redis: aioredis.Redis, weights: Weights, observed: telemetry.Telemetry
+    ) -> None:
+        """Build the engine (its KV pool) and the serving machinery over the loaded weights,
+        serve until stopped or sent to standby, drain, and take the machinery down."""
+        is_activation, since_s = self._state == "standby", time.monotonic()
+        engine = await self._on_engine_thread(
+            functools.partial(build_engine, weights, self._config.engine)
+        )
+        self._stats = engine.stats()
+        intake = Intake(
+            redis,
+            self._deployment.name,
+            self.worker_id,
+            is_fair=is_fair(self._config.engine),
+            preferred_tenants=self._config.preferred_tenants,
+        )
+        journal = Journal(redis, self._settings.journal_ttl_s, self._settings.resume_grace_s)
+        publisher = Publisher(redis, intake, journal, self.worker_id, self._settings.broker_retry_s)
+        reclaimer = Reclaimer(
+            redis,
+            intake,
+            journal,
+            self.worker_id,
+            self._heartbeat_timeout_s,
+            is_own=lambda request_id: (
+                request_id in publisher.inflight
+                or any(e.request.request_id == request_id for e in self._reclaimed)
+            ),
+        )
+        self._recovery = (publisher, reclaimer)
+        serving = _Serving(
+            engine, observed, intake, publisher, self._pool_service(redis), weights.tokenizer,
+            weights.eos_token_ids,
+        )  # fmt: skip
+        watching = asyncio.create_task(self._watch_role(redis))
+        self._ready(observed, is_activation, time.monotonic() - since_s)
+        try:
+            await self._loop(serving)
+            await self._end_unfinished(redis, journal, serving)
+        finally:
+            watching.cancel()
+            await publisher.drain()
+            await self._end_recovery(intake)
+
+    def _ready(self, observed: telemetry.Telemetry, is_activation: bool, build_s: float) -> None:
+        if is_activation:
+            self._activation_s = build_s
+            observed.activated(build_s)
+            log.info("worker %s activated for %s in %.3f s", self.worker_id,
+                     self._deployment.name, build_s)  # fmt: skip
+        else:
+            self._load_times_s[self._deployment.model_id] += build_s
+            log.info("worker %s ready for %s", self.worker_id, self._deployment.name)
+        # Stopped, or sent back to standby, while the engine was being built: `_loop` drains
+        # at once.
+        self._set_state("draining" if self._draining.is_set() else "ready")
+
+    async def _watch_role(self, redis: aioredis.Redis) -> None:
+        """While serving: drain for standby once the role says so (a poll, off the steps)."""
+        while self._follows_roles and not self._draining.is_set():
+            if await self._read_role(redis) == role.STANDBY:
+                log.info("worker %s goes to standby: draining", self.worker_id)
+                self._set_state("draining")
+                self._draining.set()
+                return
+            await asyncio.sleep(role.ROLE_POLL_S)
+
+    async def _park(self, weights: Weights) -> None:
+        """After a drain for standby: free the engine and its KV pool, keep the weights. No
+        reference to the engine is left once `_serve` has returned."""
+        self._stats = None  # no KV pool, no capacity to report
+        await self._on_engine_thread(functools.partial(release_engine_memory, weights))
+        self._draining.clear()
+        self._set_state("standby")
+        log.info("worker %s on standby for %s: engine and KV pool released", self.worker_id,
+                 self._deployment.name)  # fmt: skip
+
+    async def _end_recovery(self, intake: Intake) -> None:
+        """Serving has ended: no more keeping or reclaiming entries (a standby worker holds
+        none). Entries reclaimed and not taken in yet go back to the queue at once."""
+        async with self._recovery_lock:
+            self._recovery = None
+            reclaimed, self._reclaimed = self._reclaimed, []
+        if not reclaimed:
+            return
+        try:
+            await intake.hand_back(reclaimed)
+        except BROKER_ERRORS as exc:
+            # They stay pending, unrefreshed: recovery serves them after the heartbeat timeout.
+            log.warning("could not hand back %d reclaimed requests: %s", len(reclaimed), exc)
+
     def _pool_service(self, redis: aioredis.Redis) -> PoolService | None:
         """The pool's shared service counters, for a fair-queuing worker of pool scope."""
         if is_fair(self._config.engine) and self._config.fairness_scope == "pool":
             return PoolService(redis, self._deployment.name)
         return None
-
-    def _import_loaders(self) -> None:
-        """The modules `_load` needs: transformers, and torch for a model (not for echo)."""
-        model_source.import_loaders()
-        if self._config.engine.engine != "echo":
-            import worker.model_engine
-            import worker.runner.loader  # noqa: F401
-
-    def _load(self):
-        """The engine, the tokenizer and the end-of-sequence ids. The echo engine loads the
-        tokenizer alone; the model's modules (torch) are imported only for a model."""
-        source = model_source.resolve(self._deployment.source)
-        tokenizer = model_source.load_tokenizer(source, self._settings.home / "cache")
-        if self._config.engine.engine == "echo":
-            engine = echo_engine.build_echo_engine(self._config.engine, len(tokenizer))
-            return engine, tokenizer, echo_engine.eos_token_ids(tokenizer)
-        from worker.model_engine import build_engine
-        from worker.runner import loader
-
-        loaded = loader.load(source, self._config.device, self._config.dtype)
-        return build_engine(loaded, self._config.engine), tokenizer, loaded.eos_token_ids
 
     async def _loop(self, serving: _Serving) -> None:
         """Until stopped and drained: take new entries, end what was cancelled or expired,
@@ -239,8 +354,8 @@ class Worker:
         engine, publisher = serving.engine, serving.publisher
         drain_deadline_s = math.inf
         publishing: asyncio.Task | None = None
-        while engine.has_work() or not self._stopping.is_set():
-            if self._stopping.is_set() and drain_deadline_s == math.inf:
+        while engine.has_work() or not self._draining.is_set():
+            if self._draining.is_set() and drain_deadline_s == math.inf:
                 drain_deadline_s = time.monotonic() + self._settings.worker_drain_timeout_s
                 await self._hand_back(serving)
             if time.monotonic() > drain_deadline_s:
@@ -264,7 +379,7 @@ class Worker:
         for some while idle), into the engine; a refusal is published at once."""
         engine, publisher, intake = serving.engine, serving.publisher, serving.intake
         entries, self._reclaimed = self._reclaimed, []
-        if not self._stopping.is_set():
+        if not self._draining.is_set():
             idle_ms = self._settings.worker_idle_poll_ms
             block_ms = None if engine.has_work() or entries else idle_ms
             entries += await self._pull(intake, block_ms, engine)
@@ -375,69 +490,50 @@ class Worker:
                 with contextlib.suppress(*BROKER_ERRORS):
                     await pubsub.aclose()
 
+    def _set_state(self, state: str) -> None:
+        """The heartbeat says a new state at once (and the ready set follows it)."""
+        self._state = state
+        self._beat_soon.set()
+
     async def _heartbeat(self, redis: aioredis.Redis) -> None:
-        key = keys.worker_heartbeat(self.worker_id)
         interval_s = self._settings.worker_heartbeat_s
         while True:
+            self._beat_soon.clear()
             try:
-                await self._beat(redis, key, interval_s)
+                await self._beat(redis)
                 await self._recover()
             except (RedisError, OSError) as exc:
                 # The broker may be restarting; keep beating once it is back.
                 log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_soon.wait(), interval_s)
 
     async def _recover(self) -> None:
         """Keep this worker's entries claimed; take over dead workers' entries."""
-        if self._recovery is None:
-            return
-        publisher, reclaimer = self._recovery
-        # Reclaimed entries waiting for the loop too: idle, they would be reclaimed again.
-        held = [flight.entry for flight in publisher.inflight.values()] + self._reclaimed
-        await reclaimer.keep_claimed(held)
-        if not self._stopping.is_set():
-            self._reclaimed += await reclaimer.reclaim()
+        async with self._recovery_lock:
+            if self._recovery is None:
+                return
+            publisher, reclaimer = self._recovery
+            # Reclaimed entries waiting for the loop too: idle, they would be reclaimed again.
+            held = [flight.entry for flight in publisher.inflight.values()] + self._reclaimed
+            await reclaimer.keep_claimed(held)
+            if not self._draining.is_set():
+                self._reclaimed += await reclaimer.reclaim()
 
-    async def _beat(self, redis: aioredis.Redis, key: str, interval_s: float) -> None:
-        deployment, name = self._deployment, self._deployment.name
-        now_s = time.time()
-        fields = {
-            "model": deployment.model_id,
-            "version": deployment.version,
-            "deployment_id": deployment.id or 0,
-            "state": self._state,
-            "pid": os.getpid(),
-            "batching": self._config.engine.batching,
-            "pool": self._config.pool,
-            "serving_since": self._serving_since_s,
-            "updated_at": now_s,
-            **(self._stats.heartbeat_fields() if self._stats is not None else {}),
-        }
-        if self._load_times_s:  # the shared pool's policy weighs a move against loads
-            fields["load_s"] = json.dumps(self._load_times_s)
-        if self._config.pool == POOL_SHARED:
-            fields["pool_models"] = ",".join(self._config.pool_models)
-        ready = keys.ready_workers(name)
-        async with redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key)  # all of it anew: a shared worker's last model left fields
-            pipe.hset(key, mapping=fields)
-            pipe.expire(key, max(1, math.ceil(self._heartbeat_timeout_s)))
-            capacity = self._stats.max_num_tokens_per_sequence if self._stats else None
-            if capacity is not None:
-                pipe.zadd(keys.model_capacity(name), {self.worker_id: capacity})
-            # The API routes to a version only while it has a ready worker (`api/router.py`);
-            # a draining one takes no new work, and a dead one's score goes stale.
-            if self._state == "ready":
-                pipe.zadd(ready, {self.worker_id: now_s})
-            else:
-                pipe.zrem(ready, self.worker_id)
-            pipe.zremrangebyscore(ready, "-inf", now_s - self._heartbeat_timeout_s)
-            await pipe.execute()
-        await self._forget_dead_workers(redis, name)
-
-    async def _forget_dead_workers(self, redis: aioredis.Redis, name: str) -> None:
-        """Drop capacity entries of workers whose heartbeat expired (they died uncleanly)."""
-        for member in await redis.zrange(keys.model_capacity(name), 0, -1):
-            worker_id = text(member)
-            if not await redis.exists(keys.worker_heartbeat(worker_id)):
-                await redis.zrem(keys.model_capacity(name), worker_id)
+    async def _beat(self, redis: aioredis.Redis) -> None:
+        observed, config = self._telemetry, self._config
+        beat = heartbeat.Beat(
+            self.worker_id,
+            self._deployment,
+            self._state,
+            config.engine.batching,
+            config.pool,
+            config.pool_models,
+            self._serving_since_s,
+            num_served_tokens=observed.num_served_tokens if observed else 0,
+            num_finished_requests=observed.num_finished_requests if observed else 0,
+            activation_s=self._activation_s,
+            load_times_s=self._load_times_s,
+            stats=self._stats,
+        )
+        await heartbeat.write(redis, beat, self._heartbeat_timeout_s, time.time())

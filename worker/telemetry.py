@@ -8,6 +8,8 @@ token), inter-token latency and end-to-end latency; per step: the batch size, KV
 running and waiting sequences, preemptions. Arrival is the API's admission time
 (`QueuedRequest.arrival_ts`), so TTFT includes the Redis queue, as a client sees it; across
 machines it assumes synced clocks. Every call comes from the event loop, between steps.
+One `Telemetry` lives as long as its worker, over every engine the worker builds (a standby
+worker drops its engine and builds another when active again: `worker/service.py`).
 
 `export` serves the metrics on the worker's `--metrics-port` and pushes TTFT and ITL samples,
 and one sample per ended request saying whether it failed, to the version's window in Redis
@@ -109,6 +111,13 @@ class Telemetry:
         self._samples = Samples()
         self._num_preemptions_seen: Counter[str] = Counter()
         self._prefix_seen = (0, 0)  # the engine's prefix-cache counters last counted
+        # Since the worker started, over all its engines (standby drops one): tokens served,
+        # a request's prompt once, at its first token, and every token generated (the sum of
+        # `llmfleet_prompt_tokens` and `llmfleet_generation_tokens`), and requests ended here
+        # (handed back ones are not). The heartbeat carries both; the autoscaler takes
+        # served tokens per second, and per request, from two heartbeats.
+        self.num_served_tokens = 0
+        self.num_finished_requests = 0
 
     def added(self, seq: Sequence, refused: SequenceOutput | None) -> None:
         """`seq` was given to the engine, which took it, or refused it at once."""
@@ -143,6 +152,10 @@ class Telemetry:
         self._mark_started(report.started_s)
         self._observe_outputs(report.outputs, report.started_s + report.duration_s)
 
+    def activated(self, activation_s: float) -> None:
+        """A standby worker serves again, `activation_s` after it read its role `active`."""
+        self.metrics.activation_s.labels(*self.labels).observe(activation_s)
+
     def take_samples(self) -> Samples:
         """The samples since the last call."""
         samples, self._samples = self._samples, Samples()
@@ -172,10 +185,12 @@ class Telemetry:
     def _observe_token(self, timing: _Timing, output: SequenceOutput, now_s: float) -> None:
         m, labels, tier = self.metrics, self.labels, str(timing.seq.tier)
         m.generation_tokens.labels(*labels).inc(output.num_new_tokens)
+        self.num_served_tokens += output.num_new_tokens
         if timing.last_token_s is None:
             ttft_s = max(0.0, now_s - timing.seq.arrival_s)
             m.time_to_first_token_s.labels(*labels, tier).observe(ttft_s)
             m.prompt_tokens.labels(*labels).inc(output.num_prompt_tokens)
+            self.num_served_tokens += output.num_prompt_tokens
             self._samples.ttft.append(Sample(now_s, ttft_s))
         else:
             itl_s = now_s - timing.last_token_s
@@ -210,6 +225,7 @@ class Telemetry:
     def _count_end(self, tier: str, output: SequenceOutput, now_s: float) -> None:
         reason = output.finish_reason or "unknown"
         self.metrics.request_success.labels(*self.labels, tier, reason).inc()
+        self.num_finished_requests += 1
         self._samples.failed.append(Sample(now_s, 1.0 if is_failure(output) else 0.0))
 
     def _count_prefix_cache(self, stats: EngineStats) -> None:

@@ -68,6 +68,9 @@ def test_telemetry_measures_every_request_and_step(tiny_loaded):
         assert _value(r, "llmfleet_request_success_total", **success) == 2
     assert _value(r, "llmfleet_generation_tokens_total", model=MODEL) == 4 * 8
     assert _value(r, "llmfleet_prompt_tokens_total", model=MODEL) == 4 * 10
+    # The heartbeat's running totals: each prompt once, however often it was recomputed.
+    assert telemetry.num_served_tokens == 4 * (10 + 8)
+    assert telemetry.num_finished_requests == 4
     preempted = sum(
         _value(r, "llmfleet_num_preemptions_total", model=MODEL, tenant=t) for t in ("t0", "t1")
     )
@@ -130,3 +133,12 @@ def test_handed_back_requests_are_not_counted_as_ended(tiny_loaded):
     assert _value(r, "llmfleet_request_success_total", **labels, finished_reason="length") == 1
     assert _value(r, "llmfleet_request_success_total", **labels, finished_reason="cancelled") == 0
     assert _value(r, "llmfleet_time_to_first_token_seconds_count", **labels) == 1
+    assert (telemetry.num_served_tokens, telemetry.num_finished_requests) == (3 + 4, 1)
+
+
+def test_an_activation_from_standby_is_observed():
+    telemetry = Telemetry(MODEL, 4)
+    telemetry.activated(0.3)
+    r = telemetry.metrics.registry
+    assert _value(r, "llmfleet_worker_activation_seconds_count", model=MODEL) == 1
+    assert _value(r, "llmfleet_worker_activation_seconds_sum", model=MODEL) == 0.3

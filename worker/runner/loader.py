@@ -64,6 +64,14 @@ def load(source: ModelSource, device: str = "auto", dtype: str = "auto") -> Load
     return LoadedModel(model, torch_device, _eos_ids(model), _pad_id(model))
 
 
+def release_cached_memory(loaded: LoadedModel) -> None:
+    """Give the device the memory that torch's caching allocator keeps from freed tensors (a
+    dropped engine's KV pool: a standby worker's, `worker/weights.py`). Nothing to do on the
+    CPU, where freed tensors go back to the allocator at once."""
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
     ids: set[int] = set()
     for config in (model.generation_config, model.config):

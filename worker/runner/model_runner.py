@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import weakref
+from typing import Any
 
+import numpy
 import torch
 
 from shared.protocol import SamplingParams
@@ -31,6 +35,24 @@ from worker.runner.paged_attention import (
 from worker.step_batch import ChunkInput, SamplingFailure, StepBatch
 
 log = logging.getLogger("llmfleet.worker")
+CACHE_LINE_BYTES = 64
+# One forward of our own per loaded model, for as long as the model lives: fusing and
+# reordering its weights is most of building a runner (2.2 s of 2.3 for the default model
+# on the CPU), which a standby worker's activation must not pay again (`worker/weights.py`
+# prepares it with the load). The forward holds the model's tensors, never the model.
+_OWN_FORWARDS: weakref.WeakKeyDictionary[Any, LlamaForward] = weakref.WeakKeyDictionary()
+
+
+def own_forward(model: Any) -> LlamaForward:
+    """The model's forward of our own (`llama.py`), made on first use."""
+    forward = _OWN_FORWARDS.get(model)
+    if forward is None:
+        forward = _OWN_FORWARDS[model] = LlamaForward(model)
+    return forward
+
+
+def uses_own_forward(model: Any, forward: str) -> bool:
+    return forward == "own" or (forward == "auto" and LlamaForward.supports(model))
 
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
@@ -123,10 +145,10 @@ class ModelRunner:
         self._device = loaded.device
         self.block_size = block_size
         self._model.set_attn_implementation(ATTENTION_NAME)
-        use_own = forward == "own" or (forward == "auto" and LlamaForward.supports(self._model))
+        use_own = uses_own_forward(self._model, forward)
         if forward == "own" and not LlamaForward.supports(self._model):
             raise ValueError(f"no own forward for {self._model.config.model_type!r} models")
-        self._forward = LlamaForward(self._model) if use_own else None
+        self._forward = own_forward(self._model) if use_own else None
         use_graphs = _uses_graphs(graphs, self._forward, self._device)
         # The decode graphs' padding rows write to a block of their own, past the KV
         # manager's `num_blocks`, so no sequence's keys are ever overwritten.
@@ -159,9 +181,9 @@ class ModelRunner:
             self.block_size,
             head_dim,
         )
-        k_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
-        v_pool = torch.zeros(shape, dtype=self._model.dtype, device=self._device)
-        return k_pool, v_pool
+        return _zeros(shape, self._model.dtype, self._device), _zeros(
+            shape, self._model.dtype, self._device
+        )
 
     @torch.inference_mode()
     def _make_graphs(self, buckets: GraphBuckets, scratch_block: int) -> DecodeGraphs | None:
@@ -340,3 +362,16 @@ def _graph_step(
     step = StepMetadata(slot_mapping, [group], [])
     input_ids, positions = inputs.input_ids.contiguous(), inputs.positions.contiguous()
     return forward(input_ids, positions, k_pool, v_pool, step, inputs.keep)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On the CPU from calloc (numpy's zeros): the kernel's zero pages, mapped
+    as they are first written, so a pool of gigabytes costs nothing until used; `torch.zeros`
+    writes every page first (2.8 s for the default model's 2 GB pool, all of a standby
+    worker's activation). Aligned to 64 bytes, a cache line, for the vector loads."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(numpy.zeros(num_bytes + CACHE_LINE_BYTES, dtype=numpy.uint8))
+    offset = -raw.data_ptr() % CACHE_LINE_BYTES
+    return raw[offset : offset + num_bytes].view(dtype).view(shape)
