@@ -38,7 +38,7 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.subscriber import Inbox, Notice, Subscriber
-from shared import keys, recovery
+from shared import arrivals, keys, recovery
 from shared.ending import end_request, failed
 from shared.journal import Journal
 from shared.logs import bind_request
@@ -326,17 +326,23 @@ class _Outage:
         return True
 
 
-# KEYS: the model's tenant set, the tenant's stream, the request's meta hash.
-# ARGV: tenant id, meta ttl s, the entry's body, then the meta hash's field/value pairs.
+# KEYS: the model's tenant set, the tenant's stream, the request's meta hash, the model
+# version's arrivals bucket (`shared/arrivals.py`, the autoscaler's signal).
+# ARGV: tenant id, meta ttl s, the entry's body, prompt tokens, arrivals ttl s, then the meta
+# hash's field/value pairs.
 # Enqueues once: a retry of a call that ran (the client retries on a broken connection)
-# finds the meta hash and returns the entry id it holds instead of enqueueing again.
+# finds the meta hash and returns the entry id it holds instead of enqueueing (or counting)
+# again.
 _ENQUEUE_LUA = """
 local existing = redis.call('HGET', KEYS[3], 'entry_id')
 if existing then return existing end
 redis.call('SADD', KEYS[1], ARGV[1])
 local id = redis.call('XADD', KEYS[2], '*', 'body', ARGV[3])
-redis.call('HSET', KEYS[3], 'entry_id', id, unpack(ARGV, 4))
+redis.call('HSET', KEYS[3], 'entry_id', id, unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[3], ARGV[2])
+redis.call('HINCRBY', KEYS[4], 'requests', 1)
+redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[4])
+redis.call('EXPIRE', KEYS[4], ARGV[5])
 return id
 """
 
@@ -353,11 +359,14 @@ async def _enqueue(
             keys.model_tenants(request.deployment_name),
             stream,
             keys.request_meta(request.request_id),
+            arrivals.bucket_key(request.deployment_name, time.time()),
         ],
         args=[
             request.tenant_id,
             journal.ttl_s,
             request.to_fields()["body"],
+            len(request.prompt_token_ids),
+            arrivals.BUCKET_TTL_S,
             *(item for pair in fields.items() for item in pair),
         ],
     )
