@@ -103,6 +103,8 @@ class Supervisor:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.children: list[Child] = []
+        # Stopped on purpose (a scale-down): SIGTERM sent, not restarted, killed at the deadline.
+        self.retiring: list[tuple[Child, float]] = []
         self._report = report
         self._clock = clock
         self._wall_clock = wall_clock
@@ -116,6 +118,7 @@ class Supervisor:
     def tick(self) -> None:
         """Notice the children that exited and start those whose backoff is over."""
         now_s = self._clock()
+        self._reap_retiring(now_s)
         for child in self.children:
             if child.restart_at_s is None and child.process is not None:
                 if (returncode := child.process.poll()) is not None:
@@ -123,6 +126,28 @@ class Supervisor:
                     self._on_exit(child, describe_exit(returncode), uptime_s, now_s)
             elif child.restart_at_s is not None and now_s >= child.restart_at_s:
                 self._restart(child, now_s)
+
+    def retire(self, child: Child, grace_s: float) -> None:
+        """Stop `child` for good without waiting: SIGTERM now (a worker drains), SIGKILL if
+        it still runs after `grace_s`; it is no longer restarted or listed."""
+        self.children.remove(child)
+        if child.process is not None and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+            self.retiring.append((child, self._clock() + grace_s))
+
+    def _reap_retiring(self, now_s: float) -> None:
+        still = []
+        for child, deadline_s in self.retiring:
+            assert child.process is not None
+            if child.process.poll() is not None:
+                self._report(f"{child.name} (pid {child.process.pid}) stopped: scaled down")
+            elif now_s >= deadline_s:
+                child.process.kill()
+                child.process.wait()
+                self._report(f"{child.name} (pid {child.process.pid}) killed: past its drain")
+            else:
+                still.append((child, deadline_s))
+        self.retiring = still
 
     def states(self) -> list[ProcessState]:
         return [child.state() for child in self.children]
@@ -157,7 +182,7 @@ class Supervisor:
     def stop(self, grace_s: float, last: Child | None = None) -> None:
         """SIGTERM every running child, SIGKILL what is left after `grace_s`; `last` (the
         broker, which the others write to while they stop) only once they are gone."""
-        first = [c for c in self.children if c is not last]
+        first = [c for c in self.children if c is not last] + [c for c, _ in self.retiring]
         _terminate([c.process for c in first if c.process is not None], grace_s)
         if last is not None and last.process is not None:
             _terminate([last.process], grace_s)

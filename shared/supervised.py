@@ -42,10 +42,12 @@ class ProcessState:
 
 
 def write(client: redis.Redis, states: list[ProcessState], ttl_s: int = STATE_TTL_S) -> None:
-    """Write the record (blocking: `up` is not asynchronous)."""
+    """Write the record whole (blocking: `up` is not asynchronous): a process stopped on
+    purpose (a scale-down) leaves it."""
     if not states:
         return
     with client.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.SUPERVISED_PROCESSES)
         pipe.hset(keys.SUPERVISED_PROCESSES, mapping={s.name: s.to_json() for s in states})
         pipe.expire(keys.SUPERVISED_PROCESSES, ttl_s)
         pipe.execute()

@@ -164,3 +164,34 @@ def test_stop_terminates_everyone_and_the_broker_last():
     supervisor.stop(grace_s=1, last=redis_child)
     assert order == ["api", "control", "worker-0", "redis"]
     assert all(c.process.returncode == -signal.SIGTERM for c in supervisor.children)
+
+
+@dataclass
+class DrainingProcess(FakeProcess):
+    """Takes SIGTERM as a request to drain: still running until told it is done, or killed."""
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        if sig == signal.SIGKILL:
+            self.returncode = -sig
+
+
+def test_a_retired_child_is_not_restarted_and_is_killed_past_its_grace():
+    supervisor, clock, reports = _supervisor()
+    quick, slow = DrainingProcess(pid=1), DrainingProcess(pid=2)
+    first = supervisor.add(Child("worker-1", lambda: quick))
+    second = supervisor.add(Child("worker-2", lambda: slow))
+    supervisor.retire(first, grace_s=5)
+    supervisor.retire(second, grace_s=5)
+    assert quick.signals == [signal.SIGTERM] and supervisor.children == []
+    quick.returncode = 0  # drained
+    clock.now_s += 1
+    supervisor.tick()
+    assert "worker-1 (pid 1) stopped: scaled down" in reports[-1]
+    assert quick.signals == [signal.SIGTERM]  # an exit on purpose: no restart, no kill
+    clock.now_s += 4
+    supervisor.tick()
+    assert slow.signals == [signal.SIGTERM, signal.SIGKILL]
+    assert "worker-2 (pid 2) killed: past its drain" in reports[-1]
+    assert supervisor.retiring == [] and supervisor.states() == []
+    assert second.num_restarts == 0

@@ -19,6 +19,8 @@ async def test_the_record_reaches_the_fleet_snapshot_and_expires(rdb, aredis):
         assert 0 < rdb.ttl(keys.SUPERVISED_PROCESSES) <= 10
         snapshot = await fleet.read_fleet(aredis, [])
         assert snapshot.processes == sorted(states, key=lambda s: s.name)
+        supervised.write(rdb, states[1:], ttl_s=10)  # worker-0 stopped on purpose
+        assert (await fleet.read_fleet(aredis, [])).processes == states[1:]
     finally:
         supervised.forget(rdb)
     assert (await fleet.read_fleet(aredis, [])).processes == []
