@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast test-unit chaos lint venv clean test-tools chromium promtool
+.PHONY: run test test-fast test-unit chaos lint venv clean test-tools chromium promtool keda-schema
 
 venv: $(VENV)/.installed
 
@@ -45,7 +45,7 @@ chaos: venv
 
 # Tools some tests drive, from Debian's packages; each step runs only where the tool is missing,
 # and a machine without apt (or root) goes on: those tests then skip, saying why.
-test-tools: chromium promtool
+test-tools: chromium promtool keda-schema
 
 # Headless Chromium for the /dashboard test (about 35 s to install, once).
 chromium:
@@ -64,6 +64,15 @@ promtool: venv
 		&& dpkg-deb -x prometheus_*.deb x && cp x/usr/bin/promtool $(abspath $(VENV))/bin/promtool \
 		&& cd / && rm -rf $$tmp; } \
 		|| echo "promtool not installed: the promtool checks of infra/prometheus will be skipped"
+
+# KEDA's CRD schemas (npm's @kubernetes-models/keda, generated from KEDA's CRDs) for the
+# check of infra/keda (tests/keda_validate.mjs), into the venv; needs node and npm.
+KEDA_SCHEMA := $(VENV)/keda-schema
+keda-schema: venv
+	@test -d $(KEDA_SCHEMA)/node_modules/@kubernetes-models/keda || { command -v npm >/dev/null 2>&1 \
+		&& npm install -s --no-audit --no-fund --prefix $(KEDA_SCHEMA) \
+			@kubernetes-models/keda@2.0.0 js-yaml@4.1.0 >/dev/null 2>&1; } \
+		|| echo "KEDA schemas not installed: the schema check of infra/keda will be skipped"
 
 # ruff (lint and format), the import rules (import-linter) and the type check (mypy); the
 # same hooks run before each commit once `$(VENV)/bin/pre-commit install` is done.

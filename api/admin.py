@@ -1,5 +1,5 @@
 """The admin API under `/admin/v1`: tenants, their settings and their API keys; model rollouts
-(`api/admin_rollouts.py`).
+(`api/admin_rollouts.py`); the autoscaler's decisions, for KEDA (`api/admin_autoscale.py`).
 
 Every call needs `Authorization: Bearer <admin key>` (`api/admin_auth.py`).
 The two credentials never overlap: tenant keys start with `lf-`, which an admin key may not,
@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from api import admin_rollouts
+from api import admin_autoscale, admin_rollouts
 from api.admin_auth import admin_context
 from api.admin_schemas import TenantCreateBody, TenantUpdateBody
 from api.context import ApiContext
@@ -186,6 +186,7 @@ routes = [
             Route("/tenants/{name}/keys", list_keys, methods=["GET"]),
             Route("/keys/{key_id}", revoke_key, methods=["DELETE"]),
             *admin_rollouts.routes,
+            *admin_autoscale.routes,
         ],
     )
 ]

@@ -10,6 +10,7 @@ directly with one seeded workload, and report TTFT, TPOT, ITL, E2E, throughput a
 - `--step-times`: the runner's step latency on fixed step shapes, per forward.
 - `--scenario noisy-neighbour|weighted`: multi-tenant fairness, engine-direct, fair queuing
   against FIFO (bench/scenarios.py).
+- `--autoscale-ramp`: `llmfleet up --autoscale` under a ramp of load (bench/autoscale_ramp.py).
 - `--pool-spike`: the shared pool, with and without a shared worker, while one model's
   traffic spikes (bench/pool_spike.py).
 - `--platform-load`: the platform's own cost, on a platform it starts with echo workers (no
@@ -29,7 +30,7 @@ from typing import Annotated
 
 import typer
 
-from bench.load_plan import LoadPlan, SpikePlan
+from bench.load_plan import LoadPlan, RampPlan, SpikePlan
 from worker.config import DEFAULT_ENGINE, EngineConfig
 
 # Heavy modules (numpy, matplotlib, torch) are imported inside the functions, so that every
@@ -38,6 +39,7 @@ from worker.config import DEFAULT_ENGINE, EngineConfig
 COMPARED_MODES = ("one", "static", "continuous")
 PLATFORM_LOAD = LoadPlan()  # the defaults of --platform-load
 POOL_SPIKE = SpikePlan()  # the defaults of --pool-spike
+AUTOSCALE_RAMP = RampPlan()  # the defaults of --autoscale-ramp
 
 
 def bench(
@@ -230,6 +232,31 @@ def bench(
             "figures are over all of their spikes' requests.",
         ),
     ] = POOL_SPIKE.repeats,
+    autoscale_ramp: Annotated[
+        bool,
+        typer.Option(
+            "--autoscale-ramp",
+            help="`llmfleet up --autoscale POLICY` (the default model) under a ramp of load: "
+            "when the second worker starts and serves, against when the queue backs up "
+            "(bench/autoscale_ramp.py).",
+        ),
+    ] = False,
+    autoscale_policy: Annotated[
+        str, typer.Option(help="--autoscale-ramp: reactive | predictive | predictive+warm.")
+    ] = AUTOSCALE_RAMP.policy,
+    ramp_peak_rate_per_s: Annotated[
+        float, typer.Option(help="--autoscale-ramp: requests a second at the ramp's top.")
+    ] = AUTOSCALE_RAMP.peak_rate_per_s,
+    ramp_s: Annotated[
+        float, typer.Option(help="--autoscale-ramp: the ramp's seconds.")
+    ] = AUTOSCALE_RAMP.ramp_s,
+    ramp_hold_s: Annotated[
+        float, typer.Option(help="--autoscale-ramp: seconds held at the top.")
+    ] = AUTOSCALE_RAMP.hold_s,
+    autoscale_worker_tokens_per_s: Annotated[
+        float | None,
+        typer.Option(help="--autoscale-ramp: a worker's capacity; default: measured."),
+    ] = None,
     cuda_graphs: Annotated[
         bool,
         typer.Option(
@@ -242,6 +269,17 @@ def bench(
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG here.")] = None,
 ) -> None:
     """Benchmark llmfleet (or a peer) with an open-loop, seeded workload."""
+    if autoscale_ramp:
+        ramp = dataclasses.replace(
+            AUTOSCALE_RAMP,
+            policy=autoscale_policy,
+            peak_rate_per_s=ramp_peak_rate_per_s,
+            ramp_s=ramp_s,
+            hold_s=ramp_hold_s,
+            worker_tokens_per_s=autoscale_worker_tokens_per_s,
+        )
+        _autoscale_ramp(ramp, json_path)
+        return
     if pool_spike:
         spike = SpikePlan(
             rate_per_s=spike_rate_per_s,
@@ -389,6 +427,16 @@ def _platform_load(plan: LoadPlan, json_path: str | None) -> None:
     typer.echo(platform_load.format_report(result))
     if json_path:
         report.write_json(json_path, result)
+
+
+def _autoscale_ramp(plan: RampPlan, json_path: str | None) -> None:
+    from bench import autoscale_ramp, report
+
+    result = autoscale_ramp.run(plan, echo=typer.echo)
+    typer.echo(autoscale_ramp.format_report(result))
+    if json_path:
+        report.write_json(json_path, result)
+        typer.echo(f"wrote {json_path}")
 
 
 def _pool_spike(plan: SpikePlan, json_path: str | None) -> None:

@@ -68,3 +68,23 @@ class SpikePlan:
     def capacity_per_s(self) -> float:
         """Requests a second one worker completes."""
         return self.max_num_seqs * self.tokens_per_s / self.max_tokens
+
+
+@dataclass(frozen=True)
+class RampPlan:
+    """`llmfleet bench --autoscale-ramp` (bench/autoscale_ramp.py): the policy `up` autoscales
+    with, the ramp of requests (each `prompt_tokens` in, `max_tokens` out), the workers'
+    places and how many `up` may run; "backed up" is `backed_up_waiting` requests waiting."""
+
+    policy: str = "predictive"
+    start_rate_per_s: float = 0.2
+    peak_rate_per_s: float = 3.0
+    ramp_s: float = 120.0
+    hold_s: float = 90.0
+    prompt_tokens: int = 48
+    max_tokens: int = 96
+    max_num_seqs: int = 32
+    max_workers: int = 2
+    worker_tokens_per_s: float | None = None
+    backed_up_waiting: int = 8
+    model: str = DEFAULT_MODEL_ID

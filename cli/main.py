@@ -22,6 +22,7 @@ from worker.config import DEFAULT_ENGINE, EngineConfig
 
 DEFAULT_WORKER_METRICS_PORT = 9300
 ENGINE_KINDS = ("model", "echo")
+AUTOSCALE_POLICIES = ("reactive", "predictive", "predictive+warm")
 # After the API's own drain: how long uvicorn waits for connections still open.
 STRAGGLERS_TIMEOUT_S = 10
 
@@ -75,14 +76,25 @@ def up(
         int,
         typer.Option(help="The first worker's /metrics port; worker i gets it plus i; 0 = none."),
     ] = DEFAULT_WORKER_METRICS_PORT,
+    autoscale: Annotated[
+        str | None,
+        typer.Option(
+            help="Autoscale the local workers with this policy: reactive | predictive | "
+            "predictive+warm (LLMFLEET_AUTOSCALE_* settings; docs/operations.md).",
+        ),
+    ] = None,
 ) -> None:
     """Start everything locally: Redis, the API, the control process and the workers, each
     restarted if it exits; print the URL and a dev key. Options after `--` go to every
     worker (`llmfleet worker --help`), e.g. `llmfleet up -- --max-num-seqs 16`."""
     from cli.up import WorkerPlan, check_worker_args, run_local
 
+    if autoscale is not None and autoscale not in AUTOSCALE_POLICIES:
+        raise typer.BadParameter(
+            f"one of {', '.join(AUTOSCALE_POLICIES)}", param_hint="--autoscale"
+        )
     plan = WorkerPlan(workers, worker_metrics_port, check_worker_args(ctx.args))
-    run_local(get_settings(), model=model, batching=batching, workers=plan)
+    run_local(get_settings(), model=model, batching=batching, workers=plan, autoscale=autoscale)
 
 
 @app.command()
@@ -251,6 +263,14 @@ def worker(
             "(affinity); it still serves every tenant."
         ),
     ] = "",
+    standby: Annotated[
+        bool,
+        typer.Option(
+            "--standby",
+            help="dedicated: start on standby (weights loaded, no KV pool, pulls nothing) "
+            "until the autoscaler's role for it says active; it may go back to standby.",
+        ),
+    ] = False,
 ) -> None:
     """Run a worker that serves one model deployment (one version of a model), or, in the
     shared pool, the stable version of whichever of its models the control process assigns."""
@@ -264,6 +284,11 @@ def worker(
     pool_models = tuple(m.strip() for m in models.split(",") if m.strip())
     engine = db()
     if pool == POOL_SHARED:
+        if standby:
+            raise typer.BadParameter(
+                "a shared worker follows the pool's assignments, not the autoscaler's roles",
+                param_hint="--standby",
+            )
         if not pool_models or model is not None or version is not None:
             raise typer.BadParameter(
                 "a shared worker takes --models (at least one) and neither --model nor "
@@ -324,6 +349,7 @@ def worker(
         fault_step_delay_s=get_settings().fault_step_delay_ms / 1000,
         pool=pool,
         pool_models=pool_models,
+        standby=standby,
     )
     service: Worker | PoolMember
     if deployment is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import signal
 import subprocess
@@ -35,6 +36,7 @@ import redis
 from rich.console import Console
 from rich.markup import escape
 
+from cli.autoscale_actuator import LocalActuator
 from cli.redis_server import EmbeddedRedis
 from cli.supervisor import Child, Supervisor
 from shared import deployments, keys, supervised, tenants
@@ -50,7 +52,7 @@ SUPERVISE_INTERVAL_S = 0.5
 # more before they are killed.
 STOP_MARGIN_S = 10.0
 # `--` and what follows go to every worker; these `up` sets itself.
-OWN_WORKER_OPTIONS = ("--model", "--metrics-port", "--batching")
+OWN_WORKER_OPTIONS = ("--model", "--metrics-port", "--batching", "--standby")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +124,22 @@ class LocalStack:
         """The children that are not running (before `supervise`, nothing restarts them)."""
         return [c.name for c in self.supervisor.children if _has_exited(c)]
 
-    def supervise(self) -> None:
-        """Until Ctrl-C or SIGTERM: restart what exits, publish the children's state."""
+    def supervise(self, actuator: LocalActuator | None = None) -> None:
+        """Until Ctrl-C or SIGTERM: restart what exits, publish the children's state, and
+        start or stop workers as the autoscaler wants (`actuator`)."""
         with closing(_redis_client(self.settings)) as client:
             while True:
                 self.supervisor.tick()
                 _publish(client, self.supervisor)
+                if actuator is not None:
+                    with contextlib.suppress(redis.RedisError, OSError):
+                        actuator.tick(client)
                 time.sleep(SUPERVISE_INTERVAL_S)
+
+    def retire(self, child: Child) -> None:
+        """Stop a worker for good (a scale-down), within its drain."""
+        grace_s = self.settings.worker_drain_timeout_s + STOP_MARGIN_S
+        self.supervisor.retire(child, grace_s)
 
     def stop(self) -> None:
         grace_s = self.settings.worker_drain_timeout_s + STOP_MARGIN_S
@@ -137,7 +148,14 @@ class LocalStack:
             self._log.close()
 
 
-def run_local(settings: Settings, *, model: str, batching: str, workers: WorkerPlan) -> None:
+def run_local(
+    settings: Settings,
+    *,
+    model: str,
+    batching: str,
+    workers: WorkerPlan,
+    autoscale: str | None = None,
+) -> None:
     # Every file this process writes under the home (secrets, the database) is 0600 and
     # every directory 0700, whichever module creates it: the home holds prompts and keys.
     os.umask(PRIVATE_UMASK)
@@ -160,12 +178,28 @@ def run_local(settings: Settings, *, model: str, batching: str, workers: WorkerP
                 deployments.ensure_default(engine)
             key = _dev_key(settings, engine)
             metrics_token = _metrics_token_source(settings)
+            deployment = deployments.get_stable(engine, model)
+            assert deployment is not None  # registered above
         api = stack.spawn("api", "api")
-        stack.spawn("control", "control")
+        if autoscale is None:
+            stack.spawn("control", "control")
         worker_children = _spawn_workers(stack, model, batching, workers)
+        started_s = time.monotonic()
         _wait_until_ready(stack, api, worker_children, model)
+        actuator = None
+        if autoscale is not None:
+            # The control process runs the autoscaler: started once a worker's cold start
+            # here is measured, the forecast's horizon unless one is configured.
+            cold_start_s = _autoscale_env(stack, autoscale, time.monotonic() - started_s)
+            stack.spawn("control", "control")
+            actuator = _actuator(stack, deployment.name, model, batching, workers, worker_children)
+        if autoscale is not None:  # before "is up": whoever waits for that reads this too
+            console.print(
+                f"autoscaling ({autoscale}): {settings.autoscale_min_workers} to "
+                f"{settings.autoscale_max_workers} workers, a cold start of {cold_start_s:.0f} s"
+            )
         _print_ready(console, settings, key, model, metrics_token, worker_children)
-        stack.supervise()
+        stack.supervise(actuator)
     except KeyboardInterrupt:
         console.print("stopping...")
     finally:
@@ -173,14 +207,45 @@ def run_local(settings: Settings, *, model: str, batching: str, workers: WorkerP
 
 
 def _spawn_workers(stack: LocalStack, model: str, batching: str, plan: WorkerPlan) -> list[Child]:
-    children = []
-    for i in range(plan.num_workers):
-        port = plan.metrics_port(i)
-        args = ["worker", "--model", model, "--batching", batching, "--metrics-port", str(port)]
-        children.append(
-            stack.spawn(f"worker-{i}", *args, *plan.extra_args, metrics_port=port or None)
-        )
-    return children
+    return [_spawn_worker(stack, model, batching, plan, i) for i in range(plan.num_workers)]
+
+
+def _spawn_worker(
+    stack: LocalStack, model: str, batching: str, plan: WorkerPlan, index: int, *own: str
+) -> Child:
+    port = plan.metrics_port(index)
+    args = ["worker", "--model", model, "--batching", batching, "--metrics-port", str(port), *own]
+    return stack.spawn(f"worker-{index}", *args, *plan.extra_args, metrics_port=port or None)
+
+
+def _autoscale_env(stack: LocalStack, policy: str, measured_cold_start_s: float) -> float:
+    """The control process's autoscaling settings; the cold start in effect."""
+    stack.env_overrides["LLMFLEET_AUTOSCALE_POLICY"] = policy
+    if "LLMFLEET_AUTOSCALE_COLD_START_S" in os.environ:
+        return stack.settings.autoscale_cold_start_s
+    cold_start_s = math.ceil(measured_cold_start_s)
+    stack.env_overrides["LLMFLEET_AUTOSCALE_COLD_START_S"] = str(cold_start_s)
+    return cold_start_s
+
+
+def _actuator(
+    stack: LocalStack,
+    name: str,
+    model: str,
+    batching: str,
+    plan: WorkerPlan,
+    workers: list[Child],
+) -> LocalActuator:
+    """The autoscaler's local hands: new workers start parked, the autoscaler wakes them."""
+    settings = stack.settings
+    return LocalActuator(
+        name,
+        settings.autoscale_min_workers,
+        settings.autoscale_max_workers,
+        spawn_worker=lambda i: _spawn_worker(stack, model, batching, plan, i, "--standby"),
+        retire=stack.retire,
+        workers=list(workers),
+    )
 
 
 def _redis_client(settings: Settings) -> redis.Redis:

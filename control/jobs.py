@@ -1,7 +1,8 @@
 """The control process (`llmfleet control`): an arq worker that writes usage to the ledger,
 purges prompts and outputs past their retention, exports signed chain heads, moves
-canary rollouts on every second (`control/rollouts.py`) and assigns the shared pool's
-workers their models (`control/pool.py`).
+canary rollouts on every second (`control/rollouts.py`), assigns the shared pool's
+workers their models (`control/pool.py`) and, with a policy set, decides how many workers
+each model version wants (`control/scaler.py`).
 
 Usage jobs come from whoever ends a request (`shared/usage_jobs.py`). arq removes a job from
 its queue only once the function returned, so a job whose control process died is run
@@ -24,6 +25,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from control import ledger, pool, rollouts, usage_writer
+from control.scaler import Scaler, ScalerSettings
 from shared import keys
 from shared.canary_health import Margins
 from shared.protocol import UsageEvent
@@ -85,12 +87,18 @@ async def advance_rollouts_forever(ctx: dict) -> None:
 
 
 async def _start_loops(ctx: dict) -> None:
-    """The loops beside arq's: rollouts, and the shared pool's assignments."""
-    pool_settings = pool.PoolSettings.of(ctx["settings"])
+    """The loops beside arq's: rollouts, the shared pool's assignments, and the
+    autoscaler when a policy is set."""
+    settings: Settings = ctx["settings"]
+    pool_settings = pool.PoolSettings.of(settings)
     ctx["loops"] = [
         asyncio.create_task(advance_rollouts_forever(ctx)),
         asyncio.create_task(pool.rebalance_forever(ctx["redis"], ctx["engine"], pool_settings)),
     ]
+    if settings.autoscale_policy != "off":
+        scaler = Scaler(ctx["redis"], ctx["engine"], ScalerSettings.of(settings))
+        ctx["loops"].append(asyncio.create_task(scaler.run_forever()))
+        log.info("autoscaling with the %s policy", settings.autoscale_policy)
 
 
 async def _stop_loops(ctx: dict) -> None:

@@ -12,6 +12,7 @@ import os
 import secrets
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -163,6 +164,29 @@ class Settings(BaseSettings):
     pool_default_load_s: float = Field(default=10.0, ge=0)
     pool_rate_window_s: float = Field(default=30.0, gt=0)
     pool_tick_s: float = Field(default=1.0, gt=0)
+    # The autoscaler (`control/scaler.py`, policies in `control/scale_policy.py`): off, or
+    # `reactive`, `predictive`, `predictive+warm`; `llmfleet up --autoscale` sets it for its
+    # control process. Every `autoscale_tick_s` it reads arrivals over `autoscale_rate_window_s`.
+    # A worker's capacity in tokens a second (prompt + output) is `autoscale_worker_tokens_per_s`
+    # when set, else measured from busy workers (`autoscale_default_worker_tokens_per_s` until
+    # then); a request's tokens are measured too (`autoscale_default_tokens_per_request` until
+    # then). `autoscale_cold_start_s`: the forecast's horizon, what a new worker takes to serve
+    # (provisioning plus load). Workers per model version stay within min and max; the warm
+    # pool is the standby workers `predictive+warm` keeps. Scale-down: wanted for
+    # `autoscale_scale_down_delay_s` before a worker is parked, parked for
+    # `autoscale_standby_quiet_s` before it is stopped.
+    autoscale_policy: Literal["off", "reactive", "predictive", "predictive+warm"] = "off"
+    autoscale_tick_s: float = Field(default=2.0, gt=0)
+    autoscale_rate_window_s: float = Field(default=10.0, gt=0)
+    autoscale_worker_tokens_per_s: float | None = Field(default=None, gt=0)
+    autoscale_default_worker_tokens_per_s: float = Field(default=500.0, gt=0)
+    autoscale_default_tokens_per_request: float = Field(default=300.0, gt=0)
+    autoscale_cold_start_s: float = Field(default=180.0, ge=0)
+    autoscale_min_workers: int = Field(default=1, ge=0)
+    autoscale_max_workers: int = Field(default=4, ge=1)
+    autoscale_warm_pool: int = Field(default=1, ge=0)
+    autoscale_scale_down_delay_s: float = Field(default=120.0, ge=0)
+    autoscale_standby_quiet_s: float = Field(default=180.0, ge=0)
     # Fault injection, for the chaos tests only: a worker's model step fails whenever its
     # input holds this token id (a "poison" prompt).
     fault_token_id: int | None = None

@@ -10,10 +10,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import yaml
 
+from api import admin
+from api.admin_autoscale import get_autoscale
 from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, RolloutView, WorkerState
 from shared.latency_window import LatencySummary
 from shared.metrics import ApiMetrics, FleetCollector, WorkerMetrics
@@ -107,13 +110,57 @@ def test_grafana_dashboard_queries_metrics_that_exist():
     assert len(ids) == len(set(ids))
 
 
-def test_keda_scales_workers_on_queue_depth():
-    scaled = yaml.safe_load((INFRA / "keda" / "scaledobject.yaml").read_text())
+def test_keda_baseline_scales_workers_on_queue_depth():
+    scaled = yaml.safe_load((INFRA / "keda" / "scaledobject-queue-depth.yaml").read_text())
     assert scaled["kind"] == "ScaledObject" and scaled["apiVersion"].startswith("keda.sh/")
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
     assert _series_names(trigger["metadata"]["query"]) == {"llmfleet_queue_depth"}
     assert int(trigger["metadata"]["threshold"]) > 0
+
+
+def test_keda_scales_workers_on_the_autoscalers_decision():
+    docs = list(yaml.safe_load_all((INFRA / "keda" / "scaledobject.yaml").read_text()))
+    scaled, auth = docs
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "metrics-api" and trigger["metricType"] == "AverageValue"
+    meta = trigger["metadata"]
+    # The route the admin API serves, the field it answers with, one pod per unit.
+    path = urlparse(meta["url"]).path
+    (mount,) = admin.routes
+    assert path.startswith(mount.path + "/")
+    (route,) = [r for r in mount.routes if getattr(r, "endpoint", None) is get_autoscale]
+    assert route.path_regex.fullmatch(path[len(mount.path) :])
+    assert meta["valueLocation"] == "num_workers" and float(meta["targetValue"]) == 1
+    assert meta["authMode"] == "bearer"
+    assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+    assert auth["kind"] == "TriggerAuthentication"
+    assert [p["parameter"] for p in auth["spec"]["secretTargetRef"]] == ["token"]
+
+
+@pytest.mark.parametrize("name", ["scaledobject.yaml", "scaledobject-queue-depth.yaml"])
+def test_keda_manifests_match_kedas_schema(name, tmp_path):
+    tool = Path(sys.executable).parent.parent / "keda-schema"
+    node = shutil.which("node")
+    if node is None or not (tool / "node_modules" / "@kubernetes-models" / "keda").is_dir():
+        pytest.skip("KEDA's schemas not installed (`make keda-schema`, needs node and npm)")
+    # An ES module resolves its imports next to itself: run a copy inside the install.
+    script = tool / "keda_validate.mjs"
+    shutil.copyfile(Path(__file__).parent / "keda_validate.mjs", script)
+    result = subprocess.run(
+        [node, str(script), str(INFRA / "keda" / name)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "valid" in result.stdout
+    # The check can fail: the same manifest with a string where KEDA wants a number.
+    broken = tmp_path / name
+    broken.write_text(
+        (INFRA / "keda" / name).read_text().replace("maxReplicaCount: 8", 'maxReplicaCount: "8"')
+    )
+    result = subprocess.run(
+        [node, str(script), str(broken)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1 and "maxReplicaCount must be integer" in result.stdout
 
 
 def _promtool() -> str | None:

@@ -89,3 +89,17 @@ def test_a_shared_prefix_starts_every_prompt_and_leaves_the_rest_as_without_it()
             without.arrival_s,
             without.max_tokens,
         )
+
+
+def test_the_autoscale_ramp_arrives_at_its_rising_rate():
+    from bench.autoscale_ramp import arrivals_s
+    from bench.load_plan import RampPlan
+
+    plan = RampPlan(start_rate_per_s=1.0, peak_rate_per_s=5.0, ramp_s=100.0, hold_s=50.0)
+    times = arrivals_s(plan)
+    # The integral: 100 s at a mean of 3 a second, then 50 s at 5.
+    assert abs(len(times) - (300 + 250)) <= 2
+    first_half = sum(t < 50 for t in times)
+    second_half = sum(50 <= t < 100 for t in times)
+    assert abs(first_half - 100) <= 2 and abs(second_half - 200) <= 2
+    assert times == sorted(times)
