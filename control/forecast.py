@@ -18,12 +18,12 @@ of a cold start, but a runaway one not much further. `a` and `b` are the smoothi
 after the last uses `1 - (1 - a) ** (dt / interval_s)`, so the smoothing spans the same time
 whatever the tick. The first sample sets the level, with no trend.
 
-The defaults were chosen on synthetic series, not on the shipped traces' results: with 15%
-noise on each 5-s sample of a steady rate, the forecast 180 s ahead wanders by about one
-sample's noise (sd ~13%; undamped with a = 0.3, b = 0.1 it wanders by ~30%), and on a linear
-ramp, once the trend is measured (a minute or two in), the predictive policy asks for each
-further worker 55-95 s before the reactive one (tests/control/test_forecast.py,
-tests/control/test_scale_policy.py).
+The smoothing constants were chosen on synthetic series: with 15% noise on each 5-s sample
+of a steady rate, the forecast 180 s ahead wanders by less than one sample's noise (sd ~11%;
+undamped with a = 0.3, b = 0.1 it wanders by ~30%) (tests/control/test_forecast.py). The
+damping, 180 s (a trend reaches 114 s of a 180-s cold start), was tuned with the policies'
+other parameters on every simulated trace together (docs/benchmarks.md, "Autoscaling"):
+a reach of 600 s extrapolated the rise of a spike further, and cost more on every trace.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class HoltParams:
     alpha: float = 0.2  # level smoothing per `interval_s` (a time constant of ~22 s at 5 s)
     beta: float = 0.05  # trend smoothing per `interval_s` (~97 s at 5 s)
     interval_s: float = 5.0  # the sample spacing `alpha` and `beta` are given for
-    damping_s: float = 600.0  # tau: the trend's reach (155 s of a 180-s horizon); inf: none
+    damping_s: float = 180.0  # tau: the trend's reach (114 s of a 180-s horizon); inf: none
 
 
 class HoltForecast:

@@ -89,7 +89,7 @@ class PolicyParams:
     forecast_alpha: float = 0.2  # control/forecast.py: level smoothing per interval
     forecast_beta: float = 0.05  # trend smoothing per interval
     forecast_interval_s: float = 5.0
-    forecast_damping_s: float = 600.0  # the trend's reach
+    forecast_damping_s: float = 180.0  # the trend's reach (114 s of a 180-s horizon)
     forecast_max_growth: float = 0.25  # the forecast a cold start ahead: at most the level +25%
     # reactive: infra/keda/scaledobject-queue-depth.yaml and the HPA's defaults
     reactive_threshold: int = 48  # requests in the system (waiting + running) per worker
@@ -108,6 +108,7 @@ class PolicyParams:
             warm_pool=settings.autoscale_warm_pool,
             scale_down_delay_s=settings.autoscale_scale_down_delay_s,
             standby_quiet_s=settings.autoscale_standby_quiet_s,
+            warm_pool_baseline_s=settings.autoscale_warm_pool_baseline_s,
         )
 
     def holt(self) -> HoltParams:

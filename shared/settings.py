@@ -172,9 +172,12 @@ class Settings(BaseSettings):
     # then); a request's tokens are measured too (`autoscale_default_tokens_per_request` until
     # then). `autoscale_cold_start_s`: the forecast's horizon, what a new worker takes to serve
     # (provisioning plus load). Workers per model version stay within min and max; the warm
-    # pool is the standby workers `predictive+warm` keeps. Scale-down: wanted for
-    # `autoscale_scale_down_delay_s` before a worker is parked, parked for
-    # `autoscale_standby_quiet_s` before it is stopped.
+    # pool: `predictive+warm` keeps loaded (serving or standby) at least the fewest serving
+    # over the last `autoscale_warm_pool_baseline_s` plus `autoscale_warm_pool`. Scale-down:
+    # wanted for `autoscale_scale_down_delay_s` before a worker is parked, parked for
+    # `autoscale_standby_quiet_s` before it is stopped. The defaults are
+    # `control.scale_policy.PolicyParams`' (tuned in docs/benchmarks.md, "Autoscaling"), but
+    # for the most workers: 4 for a local fleet.
     autoscale_policy: Literal["off", "reactive", "predictive", "predictive+warm"] = "off"
     autoscale_tick_s: float = Field(default=2.0, gt=0)
     autoscale_rate_window_s: float = Field(default=10.0, gt=0)
@@ -187,6 +190,7 @@ class Settings(BaseSettings):
     autoscale_warm_pool: int = Field(default=1, ge=0)
     autoscale_scale_down_delay_s: float = Field(default=120.0, ge=0)
     autoscale_standby_quiet_s: float = Field(default=180.0, ge=0)
+    autoscale_warm_pool_baseline_s: float = Field(default=1800.0, gt=0)
     # Fault injection, for the chaos tests only: a worker's model step fails whenever its
     # input holds this token id (a "poison" prompt).
     fault_token_id: int | None = None

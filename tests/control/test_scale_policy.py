@@ -92,7 +92,8 @@ def test_no_flapping_under_a_noisy_steady_load(name):
 
 
 def test_a_scale_down_parks_workers_on_standby_then_stops_them_after_the_quiet_period():
-    # 6 workers of load (8 serving at 80%), then 1.5 from t = 600 s (2 serving).
+    # 6 workers of load (8 serving at 80%), then 1.5 from t = 600 s: 2 serving at 80%, 3
+    # with the hysteresis' 20% more (2.25), which is where the scale-down stops.
     decisions = dict(
         _run(make_policy("predictive", PARAMS), lambda t: 6.0 if t < 600 else 1.5, 1500)
     )
@@ -102,10 +103,10 @@ def test_a_scale_down_parks_workers_on_standby_then_stops_them_after_the_quiet_p
         if t < 600 + PARAMS.scale_down_delay_s
     )
     parked = decisions[800]
-    assert (parked.num_ready, parked.num_standby) == (2, 6)  # none stopped yet
+    assert (parked.num_ready, parked.num_standby) == (3, 5)  # none stopped yet
     assert all(d.num_workers == 8 for t, d in decisions.items() if t < 800)
     after_quiet = decisions[800 + PARAMS.standby_quiet_s]
-    assert (after_quiet.num_ready, after_quiet.num_standby) == (2, 0)
+    assert (after_quiet.num_ready, after_quiet.num_standby) == (3, 0)
     # Parked as long as a new cold start would cost: the rent-or-buy break-even.
     assert PARAMS.standby_quiet_s == PARAMS.cold_start_s
 
@@ -115,7 +116,7 @@ def test_a_scale_up_takes_parked_workers_back_before_asking_for_new_ones():
         return 6.0 if t < 600 or t >= 900 else 1.5  # down, parked by 800 s, back up at 900 s
 
     decisions = dict(_run(make_policy("predictive", PARAMS), load, 1000))
-    assert (decisions[800].num_ready, decisions[800].num_standby) == (2, 6)
+    assert (decisions[800].num_ready, decisions[800].num_standby) == (3, 5)
     back = decisions[1000]
     assert back.num_ready >= 8 and back.num_standby == 0
     assert back.num_workers == back.num_ready  # no worker beyond those already running
@@ -168,15 +169,16 @@ def test_a_surge_longer_than_the_baseline_window_has_the_pool_refilled_over_it()
 
 
 def test_the_forecast_plans_for_no_more_than_its_growth_cap_over_a_step():
-    # 2 to 10 workers' worth within 60 s, held. Extrapolated over a cold start, the rise's
-    # trend planned for 1.83x the top (23 serving, where 13 serve it at 80%); capped, for at
-    # most the level +25%, and Holt's level itself overshoots a step by 7.5% (10.75): 1.34x.
+    # 2 to 10 workers' worth within 60 s, held. Extrapolated over a cold start (damped over
+    # 600 s), the rise's trend planned for 1.83x the top (23 serving, where 13 serve it at
+    # 80%); now for at most the level +25%, and Holt's level itself overshoots a step by 6%
+    # (10.6): 1.32x, 17 serving.
     def step(t: float) -> float:
         return 2 + 8 * min(max(t - 300, 0), 60) / 60
 
     decisions = _run(make_policy("predictive", PARAMS), step, 1200)
     planned = max(d.forecast_tokens_per_s or 0.0 for _, d in decisions)
-    assert 10 * CAPACITY <= planned <= 10.76 * CAPACITY * (1 + PARAMS.forecast_max_growth)
+    assert 10 * CAPACITY <= planned <= 10.6 * CAPACITY * (1 + PARAMS.forecast_max_growth)
     assert max(d.num_ready for _, d in decisions) <= 17
 
 
