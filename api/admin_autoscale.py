@@ -17,9 +17,7 @@ from starlette.routing import Route
 
 from api.admin_auth import admin_context
 from api.errors import APIError
-from shared import deployments, keys
-from shared.redis_conn import text
-from shared.scale_decisions import ScaleView
+from shared import deployments, keys, scale_decisions
 
 
 async def get_autoscale(request: Request) -> Response:
@@ -32,8 +30,7 @@ async def get_autoscale(request: Request) -> Response:
     if version is None:
         raise APIError(404, f"No model `{model_id}`.", code="model_not_found")
     name = keys.deployment_name(model_id, version)
-    raw = await ctx.redis.hgetall(keys.autoscale_decision(name))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
-    view = ScaleView.from_fields({text(k): text(v) for k, v in raw.items()})
+    view = await scale_decisions.read(ctx.redis, name)
     if view is None:
         raise APIError(
             404,

@@ -23,11 +23,20 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from sqlalchemy.engine import Engine
 
-from shared import deployments, keys, latency_window, rollouts, supervised, tenants
+from shared import (
+    deployments,
+    keys,
+    latency_window,
+    rollouts,
+    scale_decisions,
+    supervised,
+    tenants,
+)
 from shared.keys import deployment_name, split_deployment_name
 from shared.latency_window import LatencySummary
 from shared.pool_assignments import POOL_DEDICATED
 from shared.redis_conn import text
+from shared.scale_decisions import ScaleView
 from shared.supervised import ProcessState
 
 
@@ -105,6 +114,7 @@ class ModelSnapshot:
     ttft: LatencySummary
     itl: LatencySummary
     version: str = "1"
+    scale: ScaleView | None = None  # the autoscaler's latest decision, if one runs
 
     @property
     def name(self) -> str:
@@ -206,6 +216,7 @@ async def read_fleet(
             workers=[w for w in workers if w.deployment_name == name],
             ttft=await latency_window.summarize(redis, name, "ttft", window_s),
             itl=await latency_window.summarize(redis, name, "itl", window_s),
+            scale=await scale_decisions.read(redis, name),
         )
     processes = await supervised.read(redis)
     return FleetSnapshot(now_s, snapshots, dict(tenant_names or {}), processes)

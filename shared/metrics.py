@@ -243,7 +243,44 @@ class FleetCollector(Collector):
             for pool, count in sorted(snap.num_workers_by_pool().items()):
                 by_pool.add_metric([*version, pool], count)
         yield from (depth, pending, workers, age, by_pool)
+        yield from self._autoscale()
         yield from self._rollouts()
+
+    def _autoscale(self) -> Iterator[GaugeMetricFamily]:
+        """The autoscaler's latest decision per model version (none while no autoscaler
+        runs): the workers it wants, by role, and the rates it decided from."""
+        labels = ["model", "version"]
+        wanted = GaugeMetricFamily(
+            "llmfleet_autoscale_desired_workers",
+            "Workers the autoscaler wants, by role: ready (serving) or standby (loaded, parked).",
+            labels=[*labels, "role"],
+        )
+        arrivals = GaugeMetricFamily(
+            "llmfleet_autoscale_arrival_tokens_per_second",
+            "The arrival rate the autoscaler measured, in tokens a second (prompt plus output).",
+            labels=labels,
+        )
+        forecast = GaugeMetricFamily(
+            "llmfleet_autoscale_forecast_tokens_per_second",
+            "The predictive policy's forecast of the arrival rate one cold start ahead.",
+            labels=labels,
+        )
+        capacity = GaugeMetricFamily(
+            "llmfleet_autoscale_worker_capacity_tokens_per_second",
+            "A worker's capacity as the autoscaler plans with it (measured or configured).",
+            labels=labels,
+        )
+        for _name, snap in sorted(self._fleet.models.items()):
+            if snap.scale is None:
+                continue
+            version = [snap.model, snap.version]
+            wanted.add_metric([*version, "ready"], snap.scale.num_ready)
+            wanted.add_metric([*version, "standby"], snap.scale.num_standby)
+            arrivals.add_metric(version, snap.scale.arrival_tokens_per_s)
+            if snap.scale.forecast_tokens_per_s is not None:
+                forecast.add_metric(version, snap.scale.forecast_tokens_per_s)
+            capacity.add_metric(version, snap.scale.worker_tokens_per_s)
+        yield from (wanted, arrivals, forecast, capacity)
 
     def _rollouts(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """Each model's latest rollout, and its rollbacks by cause (every cause from 0 once

@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.redis_conn import text
+
 # A worker's role in `keys.AUTOSCALE_ROLES`: serving, or loaded and parked.
 ROLE_ACTIVE = "active"
 ROLE_STANDBY = "standby"
@@ -56,3 +61,9 @@ class ScaleView:
             )
         except (KeyError, ValueError):
             return None
+
+
+async def read(redis: aioredis.Redis, deployment: str) -> ScaleView | None:
+    """The latest decision for `deployment` (`model@version`); None without one."""
+    raw = await redis.hgetall(keys.autoscale_decision(deployment))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
+    return ScaleView.from_fields({text(k): text(v) for k, v in raw.items()})

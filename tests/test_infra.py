@@ -20,6 +20,7 @@ from api.admin_autoscale import get_autoscale
 from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, RolloutView, WorkerState
 from shared.latency_window import LatencySummary
 from shared.metrics import ApiMetrics, FleetCollector, WorkerMetrics
+from shared.scale_decisions import ScaleView
 
 INFRA = Path(__file__).resolve().parent.parent / "infra"
 PROMETHEUS = INFRA / "prometheus"
@@ -30,7 +31,12 @@ def _defined_metrics() -> set[str]:
     """Every series name llmfleet exports, as PromQL sees it."""
     none = LatencySummary(0, None, None)
     snap = ModelSnapshot(
-        "m", [QueueState("t", 1, 0, 1)], [WorkerState("w", "m", "ready", 0)], none, none
+        "m",
+        [QueueState("t", 1, 0, 1)],
+        [WorkerState("w", "m", "ready", 0)],
+        none,
+        none,
+        scale=ScaleView("predictive", 1, 0, 1.0, 1.0, 1.0, 1.0, 0, 0.0),
     )
     families = [
         *WorkerMetrics().registry.collect(),

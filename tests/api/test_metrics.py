@@ -11,6 +11,7 @@ from api.metrics import _check_token
 from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, RolloutView, WorkerState
 from shared.latency_window import LatencySummary
 from shared.metrics import ApiMetrics
+from shared.scale_decisions import ScaleView
 
 
 def test_api_exposition_has_rejections_and_fleet_gauges():
@@ -84,3 +85,25 @@ def test_rollouts_are_exported_with_every_cause_counted_from_zero():
     assert samples[(rollbacks, (("cause", "ttft_p99"), ("model", "m")))] == 2
     assert samples[(rollbacks, (("cause", "error_rate"), ("model", "m")))] == 0
     assert samples[(rollbacks, (("cause", "itl_p99"), ("model", "n")))] == 0
+
+
+def test_the_autoscalers_decision_is_exported_per_model_version():
+    none = LatencySummary(0, None, None)
+    view = ScaleView("predictive+warm", 3, 1, 900.0, 2.5, 750.0, 400.0, 12, 0.0)
+    decided = ModelSnapshot("m", [], [], none, none, version="2", scale=view)
+    undecided = ModelSnapshot("n", [], [], none, none, version="1")  # no autoscaler for it
+    fleet = FleetSnapshot(0.0, {"m@2": decided, "n@1": undecided})
+    text = ApiMetrics().exposition(fleet).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    version = (("model", "m"), ("version", "2"))
+    desired = "llmfleet_autoscale_desired_workers"
+    assert samples[(desired, (version[0], ("role", "ready"), version[1]))] == 3
+    assert samples[(desired, (version[0], ("role", "standby"), version[1]))] == 1
+    assert samples[("llmfleet_autoscale_forecast_tokens_per_second", version)] == 900.0
+    assert samples[("llmfleet_autoscale_arrival_tokens_per_second", version)] == 750.0
+    assert samples[("llmfleet_autoscale_worker_capacity_tokens_per_second", version)] == 400.0
+    assert not any(labels[0] == ("model", "n") for _, labels in samples if labels)
