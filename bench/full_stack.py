@@ -23,7 +23,7 @@ from sqlmodel import Session, select
 
 from bench import service_recorder
 from bench.client import RequestResult, run_http
-from bench.scenarios import Run, Scenario
+from bench.scenarios import WARMUP_TENANT, Run, Scenario, warmup_workload
 from bench.workload import TenantSpec
 from cli.redis_server import free_port
 from cli.up import LocalStack, api_ready
@@ -54,27 +54,42 @@ def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
     for planned in plan.runs:
         if on_run is not None:
             on_run(planned.label)
-        with (
-            platform(planned, plan.tenants, base, source, dtype) as started,
-            service_recorder.recording(
+        with platform(planned, plan.tenants, base, source, dtype) as started:
+            _warm_up(started)
+            with service_recorder.recording(
                 started.redis_url, started.home / "published.jsonl"
-            ) as published,
-        ):
-            results, duration_s = asyncio.run(
-                run_http(
-                    started.url,
-                    "none",
-                    MODEL_ID,
-                    plan.workloads[planned.workload],
-                    tenant_keys=started.tenant_keys,
+            ) as published:
+                results, duration_s = asyncio.run(
+                    run_http(
+                        started.url,
+                        "none",
+                        MODEL_ID,
+                        plan.workloads[planned.workload],
+                        tenant_keys=started.tenant_keys,
+                    )
                 )
-            )
             computed = _computed_tokens(started.settings, results)
         for result in results:
             result.num_computed_tokens = computed.get(result.request_id, 0)
             result.published = published.get(result.request_id, [])
         runs[planned.label], durations[planned.label] = results, duration_s
     return runs, durations
+
+
+def _warm_up(started: Platform) -> None:
+    """A few short requests of the warm-up tenant, through the whole path, before the run."""
+    results, _ = asyncio.run(
+        run_http(
+            started.url,
+            "none",
+            MODEL_ID,
+            warmup_workload(),
+            tenant_keys=started.tenant_keys,
+            show_progress=False,
+        )
+    )
+    if failed := [r.error for r in results if not r.is_ok]:
+        raise RuntimeError(f"warm-up requests failed: {failed[:3]}")
 
 
 @contextmanager
@@ -102,7 +117,7 @@ def platform(
         create_schema(engine)
         deployments.register(engine, MODEL_ID, source)
         ids, tenant_keys = {}, {}
-        for spec in run.tenants or scenario_tenants:
+        for spec in [*(run.tenants or scenario_tenants), TenantSpec(WARMUP_TENANT)]:
             limits = TenantLimits(max_requests_in_flight=spec.max_requests_in_flight)
             tenant = tenants.create_tenant(
                 engine, f"bench-{spec.name}", tier=spec.tier, weight=spec.weight, limits=limits

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from bench.client import RequestResult
 from bench.engine_direct import record_output, sequence_of
+from bench.scenarios import WARMUP_TENANT, warmup_workload
 from bench.simulate import VirtualClock
 from bench.workload import RequestSpec, TenantSpec
 from worker.engine import Engine
@@ -216,6 +217,9 @@ def run_plan(plan, base, make_engine, decoder, *, on_run=None):
         workers = [
             _worker(make_engine(config), planned, index) for index in range(planned.num_workers)
         ]
+        if workers[0].is_measured:  # a real engine: warm it up as the full stack does
+            warmup = [TenantSpec(WARMUP_TENANT)]
+            run_workers(workers[:1], decoder, warmup_workload(), tenants=warmup)
         pool = PoolCounters() if planned.fairness_scope == "pool" else None
         runs[planned.label], durations[planned.label] = run_workers(
             workers,

@@ -137,3 +137,32 @@ def test_bench_repeats_a_scenario_in_alternating_order_and_checks_the_means(tmp_
         values = [r["evaluation"]["checks"][name]["value"] for r in saved["repeats"]]
         assert outcome["repeats"] == values
         assert outcome["value"] == pytest.approx(sum(values) / 2)
+
+
+def test_a_measured_engine_serves_a_warm_up_before_each_run_and_only_the_run_is_reported():
+    # A measured run's first requests must not pay a cold process's costs; the warm-up's own
+    # requests (a tenant of their own) are never part of the results.
+    plan = scenarios.build("burst-fill", seed=0, duration_s=2, steady_rate_per_s=1,
+                           ttft_ratio_max=3.0)  # fmt: skip
+    make_simulated = simulate.engine_factory(simulate.COST_MODELS["flat"])
+    tenants_added: list[list[str]] = []
+
+    def make_measured(config):  # the simulated engine, timed as a real one is
+        engine, _ = make_simulated(config)
+        tenants_added.append([])
+        add = engine.add
+
+        def recording_add(seq):
+            tenants_added[-1].append(seq.tenant_id)
+            return add(seq)
+
+        engine.add = recording_add
+        return engine, None
+
+    runs, _ = run_plan(plan, EngineConfig(), make_measured, simulate.NullDecoder())
+    assert len(tenants_added) == len(plan.runs)
+    for planned, added in zip(plan.runs, tenants_added, strict=True):
+        workload = plan.workloads[planned.workload]
+        assert added[:4] == [scenarios.WARMUP_TENANT] * 4  # first, before the run's own
+        assert scenarios.WARMUP_TENANT not in added[4:]
+        assert [r.index for r in runs[planned.label]] == [s.index for s in workload]
