@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ import httpx
 from sqlmodel import Session, select
 
 from shared import keys
+from shared.protocol import FinalEvent, TokenEvent, decode_event
 from shared.tables import ModelDeployment, UsageRecord
 
 
@@ -232,3 +234,58 @@ class UpProcess:
             # A test that failed must not leave the platform running: `up` and its children.
             os.killpg(self.process.pid, signal.SIGKILL)
             raise
+
+
+@dataclass
+class StreamRead:
+    """What a client read of one stream, line by line as it came: for a test that acts while
+    streams are under way (`started` is set once `start_after` events were read)."""
+
+    start_after: int = 1
+    request_id: str = ""
+    ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    errors: list[dict] = field(default_factory=list)
+    has_done: bool = False
+    is_cut: bool = False  # the connection broke before the stream ended
+    started: threading.Event = field(default_factory=threading.Event)
+
+    def take(self, line: str) -> None:
+        if line.startswith("id:"):
+            self.ids.append(int(line[3:]))
+            if len(self.ids) >= self.start_after:
+                self.started.set()
+        if not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.has_done = True
+        elif "error" in (chunk := json.loads(data)):
+            self.errors.append(chunk["error"])
+        else:
+            self.texts.append(chunk["choices"][0]["text"])
+            self.finish_reason = chunk["choices"][0]["finish_reason"] or self.finish_reason
+
+
+def read_stream(url: str, key: str, body: dict, read: StreamRead) -> None:
+    """POST a streaming completion and read it into `read` (run it on a thread)."""
+    try:
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body, headers=auth(key)) as r,
+        ):
+            assert r.status_code == 200
+            read.request_id = r.headers["x-request-id"]
+            for line in r.iter_lines():
+                read.take(line)
+    except httpx.TransportError:
+        read.is_cut = True
+        raise
+
+
+def journal_text(rdb, request_id: str) -> str:
+    """The text of a request's events as its journal in Redis holds them."""
+    entries = rdb.xrange(keys.request_events(request_id))
+    events = [decode_event(fields[b"e"]) for _, fields in entries]
+    return "".join(e.text for e in events if isinstance(e, TokenEvent | FinalEvent))

@@ -10,19 +10,23 @@ stopped worker is not taken for dead meanwhile."""
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
 from shared import deployments, keys
-from shared.protocol import FinalEvent, TokenEvent, decode_event
-from tests.helpers import assert_error, auth, stream, wait_for_usage_record
+from tests.helpers import (
+    StreamRead,
+    assert_error,
+    auth,
+    journal_text,
+    read_stream,
+    stream,
+    wait_for_usage_record,
+)
 
 GRACE_S = 10
 LONG_MAX_TOKENS = 300
@@ -32,57 +36,6 @@ SHORT_MAX_TOKENS = 16
 @pytest.fixture
 def long_deployment(db, tiny_model_dir):
     return deployments.register(db, "tiny-llama-api-shutdown", str(tiny_model_dir))
-
-
-@dataclass
-class _Read:
-    """What a client read of one stream."""
-
-    request_id: str = ""
-    ids: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    errors: list[dict] = field(default_factory=list)
-    has_done: bool = False
-    is_cut: bool = False
-    started: threading.Event = field(default_factory=threading.Event)
-
-
-def _read(url: str, key: str, body: dict, read: _Read) -> None:
-    try:
-        with (
-            httpx.Client(timeout=120) as client,
-            client.stream("POST", f"{url}/v1/completions", json=body, headers=auth(key)) as r,
-        ):
-            assert r.status_code == 200
-            read.request_id = r.headers["x-request-id"]
-            for line in r.iter_lines():
-                _take(line, read)
-    except httpx.TransportError:
-        read.is_cut = True
-        raise
-
-
-def _take(line: str, read: _Read) -> None:
-    if line.startswith("id:"):
-        read.ids.append(int(line[3:]))
-        read.started.set()
-    if not line.startswith("data:"):
-        return
-    data = line[5:].strip()
-    if data == "[DONE]":
-        read.has_done = True
-    elif "error" in (chunk := json.loads(data)):
-        read.errors.append(chunk["error"])
-    else:
-        read.texts.append(chunk["choices"][0]["text"])
-        read.finish_reason = chunk["choices"][0]["finish_reason"] or read.finish_reason
-
-
-def _journal_text(rdb, request_id: str) -> str:
-    entries = rdb.xrange(keys.request_events(request_id))
-    events = [decode_event(fields[b"e"]) for _, fields in entries]
-    return "".join(e.text for e in events if isinstance(e, TokenEvent | FinalEvent))
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -117,10 +70,10 @@ def test_sigterm_drains_streams_and_the_rest_resumes_on_another_api(
         "stream": True,
     }
     short_body = {**long_body, "model": tiny_deployment.model_id, "max_tokens": SHORT_MAX_TOKENS}
-    long, short = _Read(), _Read()
+    long, short = StreamRead(), StreamRead()
     try:
         with ThreadPoolExecutor(3) as pool:
-            reading_long = pool.submit(_read, api.url, key, long_body, long)
+            reading_long = pool.submit(read_stream, api.url, key, long_body, long)
             assert long.started.wait(60)
             _wait_for(lambda: len(long.ids) >= 5, 60, "the long stream stalled")
             long_worker.send_signal(signal.SIGSTOP)
@@ -136,7 +89,7 @@ def test_sigterm_drains_streams_and_the_rest_resumes_on_another_api(
                 keys.deployment_name(long_deployment.model_id, long_deployment.version), tenant_id
             )
             _wait_for(lambda: rdb.xlen(queue) == 2, 30, "the non-streamed one not queued")
-            reading_short = pool.submit(_read, api.url, key, short_body, short)
+            reading_short = pool.submit(read_stream, api.url, key, short_body, short)
             assert short.started.wait(60)
             api.process.send_signal(signal.SIGTERM)
             signalled_at = time.monotonic()
@@ -181,7 +134,7 @@ def test_sigterm_drains_streams_and_the_rest_resumes_on_another_api(
     )
     assert rest.status_code == 200 and rest.has_done
     assert rest.finish_reasons[-1] == "length"
-    assert "".join(long.texts) + rest.text == _journal_text(rdb, long.request_id)
+    assert "".join(long.texts) + rest.text == journal_text(rdb, long.request_id)
     # Neither request was cancelled: both ran to their length, billed in full.
     for request_id in (long.request_id, collected_id):
         record = wait_for_usage_record(db, request_id, timeout_s=60)

@@ -9,11 +9,8 @@ dead (their heartbeats are writes too); docs/operations.md says what that does."
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 import redis
@@ -21,43 +18,11 @@ import redis
 from shared import keys
 from shared.protocol import FinalEvent, TokenEvent, decode_event
 from tests.conftest import _spawn, _stop
-from tests.helpers import assert_error, auth, wait_for_usage_record
+from tests.helpers import StreamRead, assert_error, auth, read_stream, wait_for_usage_record
 
 NUM_ACCEPTED = 4
 MAX_TOKENS = 400
 OUT_OF_MEMORY_S = 3.0
-
-
-@dataclass
-class _Read:
-    request_id: str = ""
-    ids: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    errors: list[dict] = field(default_factory=list)
-    has_done: bool = False
-    started: threading.Event = field(default_factory=threading.Event)
-
-
-def _read(url: str, key: str, body: dict, read: _Read) -> None:
-    with (
-        httpx.Client(timeout=120) as client,
-        client.stream("POST", f"{url}/v1/completions", json=body, headers=auth(key)) as r,
-    ):
-        assert r.status_code == 200
-        read.request_id = r.headers["x-request-id"]
-        for line in r.iter_lines():
-            if line.startswith("id:"):
-                read.ids.append(int(line[3:]))
-                if len(read.ids) >= 5:
-                    read.started.set()
-            elif line.startswith("data:") and (data := line[5:].strip()) == "[DONE]":
-                read.has_done = True
-            elif line.startswith("data:") and "error" in (chunk := json.loads(data)):
-                read.errors.append(chunk["error"])
-            elif line.startswith("data:"):
-                read.texts.append(chunk["choices"][0]["text"])
-                read.finish_reason = chunk["choices"][0]["finish_reason"] or read.finish_reason
 
 
 def _wait_worker_ready(client: redis.Redis, worker, timeout_s: float = 120) -> None:
@@ -100,11 +65,11 @@ def test_out_of_memory_refuses_new_requests_and_loses_nothing_accepted(
         "ignore_eos": True,
         "stream": True,
     }
-    reads = [_Read() for _ in range(NUM_ACCEPTED)]
+    reads = [StreamRead(start_after=5) for _ in range(NUM_ACCEPTED)]
     try:
         _wait_worker_ready(client, worker)
         with ThreadPoolExecutor(NUM_ACCEPTED) as pool:
-            reading = [pool.submit(_read, api.url, key, body, read) for read in reads]
+            reading = [pool.submit(read_stream, api.url, key, body, read) for read in reads]
             for read in reads:
                 assert read.started.wait(60), "a stream never got going"
             client.config_set("maxmemory", 1)  # far below what it uses: no write that adds

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -17,8 +14,7 @@ import redis
 
 from api import subscriber
 from shared import deployments, keys
-from shared.protocol import FinalEvent, TokenEvent, decode_event
-from tests.helpers import auth
+from tests.helpers import StreamRead, auth, journal_text, read_stream
 
 UNSERVED_MODEL = "tiny-llama-unserved-subscriber"
 NUM_STREAMS = 300
@@ -92,42 +88,6 @@ def long_worker(start_worker, long_deployment):
     )  # fmt: skip
 
 
-@dataclass
-class _Read:
-    request_id: str = ""
-    ids: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    has_done: bool = False
-    num_events_at_kill: int | None = None
-    started: threading.Event = field(default_factory=threading.Event)
-
-
-def _read_stream(url: str, key: str, body: dict, read: _Read) -> None:
-    with (
-        httpx.Client(timeout=120) as client,
-        client.stream("POST", f"{url}/v1/completions", json=body, headers=auth(key)) as r,
-    ):
-        read.request_id = r.headers["x-request-id"]
-        for line in r.iter_lines():
-            if line.startswith("id:"):
-                read.ids.append(int(line[3:]))
-            elif line.startswith("data:") and (data := line[5:].strip()) == "[DONE]":
-                read.has_done = True
-            elif line.startswith("data:"):
-                choice = json.loads(data)["choices"][0]
-                read.texts.append(choice["text"])
-                read.finish_reason = choice["finish_reason"] or read.finish_reason
-            if len(read.ids) >= KILL_AFTER_NUM_EVENTS:
-                read.started.set()
-
-
-def _journal_text(rdb, request_id: str) -> str:
-    entries = rdb.xrange(keys.request_events(request_id))
-    events = [decode_event(fields[b"e"]) for _, fields in entries]
-    return "".join(e.text for e in events if isinstance(e, TokenEvent | FinalEvent))
-
-
 def test_streams_end_whole_and_in_order_when_their_shared_connections_are_killed(
     start_api, long_worker, long_deployment, make_tenant, rdb
 ):
@@ -140,15 +100,14 @@ def test_streams_end_whole_and_in_order_when_their_shared_connections_are_killed
         "ignore_eos": True,
         "stream": True,
     }
-    reads = [_Read() for _ in range(NUM_LIVE_STREAMS)]
+    reads = [StreamRead(start_after=KILL_AFTER_NUM_EVENTS) for _ in range(NUM_LIVE_STREAMS)]
     name = f"{subscriber.CLIENT_NAME}-{api.process.pid}"
     with ThreadPoolExecutor(NUM_LIVE_STREAMS) as pool:
-        done = [pool.submit(_read_stream, api.url, key, body, read) for read in reads]
+        done = [pool.submit(read_stream, api.url, key, body, read) for read in reads]
         for read in reads:
             assert read.started.wait(60), "a stream never got going"
         killed = [c for c in rdb.client_list() if c["name"] == name]
-        for read in reads:
-            read.num_events_at_kill = len(read.ids)
+        num_events_at_kill = [len(read.ids) for read in reads]
         for client in killed:
             rdb.execute_command("CLIENT", "KILL", "ID", client["id"])
         for future in done:
@@ -158,8 +117,8 @@ def test_streams_end_whole_and_in_order_when_their_shared_connections_are_killed
     while sum(c["name"] == name for c in rdb.client_list()) != 2:
         assert time.monotonic() < deadline, "the shared connections were not opened again"
         time.sleep(0.1)
-    for read in reads:
+    for read, num_at_kill in zip(reads, num_events_at_kill, strict=True):
         assert read.has_done and read.finish_reason == "length"
-        assert read.num_events_at_kill < len(read.ids)  # it was still going at the kill
+        assert num_at_kill < len(read.ids)  # it was still going at the kill
         assert read.ids == sorted(set(read.ids))  # in order, none twice
-        assert "".join(read.texts) == _journal_text(rdb, read.request_id)  # none missing
+        assert "".join(read.texts) == journal_text(rdb, read.request_id)  # none missing
