@@ -2,7 +2,8 @@
 
 The figures are the ones `/dashboard` draws and the API's `/metrics` exports: per model
 version (`model@version`) the workers ready (and on standby), KV-cache usage, batch occupancy
-and TTFT/ITL p50/p99 over the last window; the live workers, by state (`loading`, `standby`,
+and TTFT/ITL p50/p99 over the last window; the autoscaler's latest decision, while one
+runs; the live workers, by state (`loading`, `standby`,
 `ready`, `draining`); the queue state of every tenant stream (entries, pending, not
 yet delivered, consumers); and, under `llmfleet up`, the processes it supervises with their
 restarts and last exit.
@@ -34,6 +35,8 @@ def print_status(
         if not console.is_terminal:
             console = Console(width=PIPE_WIDTH)
     console.print(models_table(snapshot, window_s))
+    if any(snap.scale is not None for snap in snapshot.models.values()):
+        console.print(autoscale_table(snapshot))
     console.print(workers_table(snapshot))
     console.print(queues_table(snapshot))
     if snapshot.processes:
@@ -77,6 +80,33 @@ def _num_workers(snap: ModelSnapshot) -> str:
     by_state = snap.num_workers_by_state()
     ready = f"{by_state['ready']}/{len(snap.workers)}"
     return f"{ready} ({by_state['standby']} standby)" if by_state["standby"] else ready
+
+
+def autoscale_table(snapshot: FleetSnapshot) -> Table:
+    """The autoscaler's latest decision per model version (`shared/scale_decisions.py`),
+    beside the workers it has: wanted serving and on standby, and what it decided from."""
+    table = Table(title="Autoscaling (the control process's latest decision)",
+                  title_justify="left")  # fmt: skip
+    for name in ["MODEL", "POLICY"]:
+        table.add_column(name)
+    for name in ["WANTED READY", "WANTED STANDBY", "ARRIVALS TOK/S", "FORECAST TOK/S",
+                 "WORKER TOK/S", "WAITING"]:  # fmt: skip
+        table.add_column(name, justify="right")
+    for model, snap in snapshot.models.items():
+        if (view := snap.scale) is None:
+            continue
+        forecast = view.forecast_tokens_per_s
+        table.add_row(
+            model,
+            view.policy,
+            str(view.num_ready),
+            str(view.num_standby),
+            f"{view.arrival_tokens_per_s:.0f}",
+            "-" if forecast is None else f"{forecast:.0f}",
+            f"{view.worker_tokens_per_s:.0f}",
+            str(view.num_waiting),
+        )
+    return table
 
 
 def workers_table(snapshot: FleetSnapshot) -> Table:

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from cli.status import models_table, processes_table, queues_table, workers_table
+from cli.status import (
+    autoscale_table,
+    models_table,
+    processes_table,
+    queues_table,
+    workers_table,
+)
 from shared.fleet import FleetSnapshot, ModelSnapshot, QueueState, WorkerState
 from shared.latency_window import LatencySummary
+from shared.scale_decisions import ScaleView
 from shared.supervised import ProcessState
 
 
@@ -56,3 +63,14 @@ def test_the_processes_up_supervises_show_their_restarts():
     assert rows["worker-1"] == ["worker-1", "running", "77", "3", "signal", "SIGKILL", "5", "min",
                                 "9301"]  # fmt: skip
     assert rows["worker-0"] == ["worker-0", "restarting", "-", "1", "exit", "1", "-", "9300"]
+
+
+def test_the_autoscalers_decision_is_shown_for_the_versions_it_decides():
+    none = LatencySummary(0, None, None)
+    view = ScaleView("predictive+warm", 3, 1, 912.4, 2.5, 750.2, 400.0, 12, 0.0)
+    decided = ModelSnapshot("m", [], [], none, none, version="2", scale=view)
+    fleet = FleetSnapshot(0.0, {"m@2": decided, "n@1": ModelSnapshot("n", [], [], none, none)})
+    text = _render(autoscale_table(fleet))
+    assert "Autoscaling" in text
+    rows = [line.replace("│", " ").split() for line in text.splitlines() if line.startswith("│ ")]
+    assert rows == [["m@2", "predictive+warm", "3", "1", "750", "912", "400", "12"]]
