@@ -54,7 +54,7 @@ class LocalActuator:
 
     def tick(self, client: redis.Redis) -> None:
         raw = client.hgetall(keys.autoscale_decision(self.deployment_name))
-        view = ScaleView.from_fields({text(k): text(v) for k, v in raw.items()})  # type: ignore[union-attr]  # redis-py: sync commands typed Awaitable[T] | T (redis-py#2399)
+        view = ScaleView.from_fields(raw)  # type: ignore[arg-type]  # redis-py: sync commands typed Awaitable[T] | T (redis-py#2399)
         if view is None:
             return
         states = _states_by_pid(client)

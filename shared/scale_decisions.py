@@ -44,8 +44,9 @@ class ScaleView:
         return fields
 
     @classmethod
-    def from_fields(cls, fields: Mapping[str, str]) -> ScaleView | None:
-        """None for a missing or unreadable decision."""
+    def from_fields(cls, raw: Mapping[bytes | str, bytes | str]) -> ScaleView | None:
+        """From the hash as Redis returns it; None for a missing or unreadable decision."""
+        fields = {text(k): text(v) for k, v in raw.items()}
         try:
             forecast = fields.get("forecast_tokens_per_s", "")
             return cls(
@@ -66,4 +67,4 @@ class ScaleView:
 async def read(redis: aioredis.Redis, deployment: str) -> ScaleView | None:
     """The latest decision for `deployment` (`model@version`); None without one."""
     raw = await redis.hgetall(keys.autoscale_decision(deployment))  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
-    return ScaleView.from_fields({text(k): text(v) for k, v in raw.items()})
+    return ScaleView.from_fields(raw)

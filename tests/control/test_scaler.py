@@ -12,7 +12,6 @@ import redis.asyncio as aioredis
 from control.scale_policy import PolicyParams
 from control.scaler import Scaler, ScalerSettings
 from shared import arrivals, deployments, keys
-from shared.redis_conn import text
 from shared.scale_decisions import ScaleView
 
 
@@ -46,7 +45,7 @@ async def _arrive(redis: aioredis.Redis, name: str, now_s: float, per_bucket: in
 
 async def _decision(redis: aioredis.Redis, name: str) -> ScaleView | None:
     raw = await redis.hgetall(keys.autoscale_decision(name))
-    return ScaleView.from_fields({text(k): text(v) for k, v in raw.items()})
+    return ScaleView.from_fields(raw)
 
 
 async def test_a_rise_in_arrivals_wakes_the_standby_worker_and_the_decision_is_served(
