@@ -50,6 +50,7 @@ def create_app(settings: Settings | None = None) -> Starlette:
             settings.redis_url,
             max_connections=settings.api_max_num_command_connections,
             client_name=f"{COMMAND_CLIENT_NAME}-{os.getpid()}",
+            auto_pipeline=True,
         )
         journal = Journal(redis, settings.journal_ttl_s, settings.resume_grace_s)
         subscriber = Subscriber(

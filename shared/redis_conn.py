@@ -31,6 +31,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.retry import Retry
 
+from shared.auto_pipeline import AutoPipelinedRedis
+
 _RETRY_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError)
 # What a call raises when it did not get through to the broker (unreachable, or refusing
 # writes for want of memory).
@@ -68,9 +70,11 @@ def async_client(
     retries: int = 8,
     max_connections: int | None = None,
     client_name: str | None = None,
+    auto_pipeline: bool = False,
 ) -> aioredis.Redis:
     """A client; with `max_connections`, its pool never opens more, and a command waits up
-    to `POOL_TIMEOUT_S` for a free one (then `redis.ConnectionError`)."""
+    to `POOL_TIMEOUT_S` for a free one (then `redis.ConnectionError`). With `auto_pipeline`,
+    the commands of one turn of the event loop go out together (`shared/auto_pipeline.py`)."""
     options: dict[str, Any] = {
         "retry": AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         "retry_on_error": list(_RETRY_ERRORS),
@@ -78,12 +82,13 @@ def async_client(
         "client_name": client_name,
         "parser_class": _ASYNC_PARSER,
     }
+    client_class = AutoPipelinedRedis if auto_pipeline else aioredis.Redis
     if max_connections is None:
-        return aioredis.Redis.from_url(url, **options)
+        return client_class.from_url(url, **options)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=POOL_TIMEOUT_S, **options
     )
-    return aioredis.Redis.from_pool(pool)
+    return client_class.from_pool(pool)
 
 
 def sync_client(url: str, *, retries: int = 8) -> redis.Redis:
