@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -70,6 +70,16 @@ class Interruption(StrEnum):
     API_SHUTDOWN = "api_shutdown"
     # Its client took nothing for `stream_send_timeout_s`: the request is cancelled.
     STREAM_STALLED = "stream_stalled"
+    # Its client left (`api/sse_response.py`): the request is cancelled; nothing is written.
+    CLIENT_GONE = "client_gone"
+
+
+class Keepalive:
+    """What `Subscription.events` hands out, when asked to, after `keepalive_s` without an
+    event: the stream writes a comment line, so that no proxy closes it as idle."""
+
+
+KEEPALIVE = Keepalive()
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +161,9 @@ class Subscription:
     is_closed: bool = False
     _silent_since_s: float = field(default_factory=time.monotonic)
     _last_event_s: float = field(default_factory=time.monotonic)
+    _last_keepalive_s: float = 0.0
     _idle_wait_s: float | None = None  # how long silence lasts before the next check
+    _check_at_s: float | None = None  # when the silence now running is checked
 
     @property
     def interruption(self) -> Interruption | None:
@@ -162,16 +174,17 @@ class Subscription:
         """End `events` at its next event's boundary (the first reason given stays)."""
         self.inbox.interrupt(reason)
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self, keepalive_s: float | None = None) -> AsyncIterator[Event | Keepalive]:
         """Token events from `next_seq` on, then exactly one final or error event; nothing
-        more once interrupted."""
+        more once interrupted. With `keepalive_s`, also `KEEPALIVE` whenever that long has
+        passed without an event (or another `KEEPALIVE`)."""
         # First (unless nothing can have been published yet), and after the broker was away:
         # what the journal holds.
         is_catching_up = self.needs_catch_up
         outage: _Outage | None = None
         while not self.is_finished and self.inbox.interruption is None:
             try:
-                events = await self._next_events(is_catching_up)
+                events = await self._next_events(is_catching_up, keepalive_s)
                 is_catching_up, outage = False, None
             except (RedisConnectionError, RedisTimeoutError):
                 # The broker is restarting and the client's own retries gave up: try again;
@@ -184,17 +197,33 @@ class Subscription:
             for event in events:
                 if self.inbox.interruption is not None:
                     return
-                if (accepted := self._accept(event)) is not None:
+                if isinstance(event, Keepalive):
+                    yield event
+                elif (accepted := self._accept(event)) is not None:
                     yield accepted
                 if self.is_finished:
                     return
 
-    async def _next_events(self, is_catching_up: bool) -> list[Event]:
+    async def _next_events(
+        self, is_catching_up: bool, keepalive_s: float | None
+    ) -> Sequence[Event | Keepalive]:
         if is_catching_up:
             return await self._read_journal()
-        message = await self.inbox.get(self._idle_wait_s or self.broker.timing.idle_check_s)
+        now_s = time.monotonic()
+        if self._check_at_s is None:
+            self._check_at_s = now_s + (self._idle_wait_s or self.broker.timing.idle_check_s)
+        wake_at_s = self._check_at_s
+        if keepalive_s is not None:
+            keepalive_at_s = max(self._last_event_s, self._last_keepalive_s) + keepalive_s
+            wake_at_s = min(wake_at_s, keepalive_at_s)
+        message = await self.inbox.get(max(wake_at_s - now_s, 0.0))
         if message is Notice.INTERRUPTED:
             return []
+        if message is None and time.monotonic() < self._check_at_s:
+            # Woken for the keepalive: the silence check keeps its own time.
+            self._last_keepalive_s = time.monotonic()
+            return [KEEPALIVE]
+        self._check_at_s = None
         if message is Notice.MISSED:  # dropped here, or the shared connection was lost
             return await self._read_journal()
         if message is None:

@@ -18,7 +18,8 @@ from api.auth import authenticate
 from api.context import ApiContext
 from api.errors import bad_request, not_found, shutting_down
 from api.schemas import ChatBody, CompletionBody, GenerationBody, parse_body, read_body
-from api.streaming import SubscriptionStream, chunk_format, collect_while_connected
+from api.sse_response import SubscriptionStream
+from api.streaming import chunk_format, collect_while_connected
 from shared import deployments, quota, usage
 from shared.db import session_scope
 from shared.protocol import QueuedRequest
@@ -73,7 +74,7 @@ async def _respond(
             fmt,
             send_timeout_s=ctx.settings.stream_send_timeout_s,
             headers=headers,
-            ping=ctx.settings.stream_keepalive_s,
+            keepalive_s=ctx.settings.stream_keepalive_s,
         )
     answer = await collect_while_connected(subscription, fmt, request.receive)
     return JSONResponse(answer, headers=headers)
@@ -124,7 +125,7 @@ async def request_events(request: Request) -> Response:
         send_timeout_s=ctx.settings.stream_send_timeout_s,
         holding=slot,
         headers={"X-Request-Id": request_id},
-        ping=ctx.settings.stream_keepalive_s,
+        keepalive_s=ctx.settings.stream_keepalive_s,
     )
 
 

@@ -15,9 +15,9 @@ On SIGTERM (or SIGINT) the process, in order:
    connections still open and exits.
 
 Why a signal hook of our own: uvicorn closes its listening socket as soon as it sees the
-signal (a readiness probe would get no answer, and neither would liveness), and
-sse-starlette cancels every open stream once uvicorn's exit flag is set (cut mid-stream,
-no `[DONE]`). Handed over after step 3, both find nothing left to cut. A second signal
+signal (a readiness probe would get no answer, and neither would liveness), and cancels
+whatever still runs once its own graceful timeout passes (cut mid-stream, no `[DONE]`).
+Handed over after step 3, it finds nothing left to cut. A second signal
 skips what is left of the grace.
 """
 

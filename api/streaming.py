@@ -16,20 +16,17 @@ of its own, between two events, then `[DONE]`:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
-from sse_starlette import EventSourceResponse
 from sse_starlette.event import ServerSentEvent
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive
 
-from api.broker import Interruption, Subscription
+from api.broker import Interruption, Keepalive, Subscription
 from api.errors import APIError
 from shared.protocol import ErrorCode, ErrorEvent, FinalEvent, TokenEvent, Usage
 
@@ -83,37 +80,51 @@ def chunk_format(subscription: Subscription, model: str, include_usage: bool) ->
     )
 
 
-async def sse_events(subscription: Subscription, fmt: ChunkFormat) -> AsyncIterator[bytes]:
-    """SSE events for sse-starlette, encoded; always ends with `[DONE]`, after an error event
-    if one came. What one worker event makes goes out in one write, and the last event's
-    with `[DONE]` (a final event with usage is three SSE events: one write, not three).
+async def sse_events(
+    subscription: Subscription, fmt: ChunkFormat, *, keepalive_s: float | None = None
+) -> AsyncIterator[tuple[bytes, bool]]:
+    """The stream's writes, each with whether it is the last: SSE events, encoded, always
+    ending with `[DONE]`, after an error event if one came. What one worker event makes goes
+    out in one write, and the last event's with `[DONE]` (a final event with usage is three
+    SSE events: one write, not three). With `keepalive_s`, a comment line whenever nothing
+    was written for that long.
 
     The last SSE event made from each worker event carries its `seq` as `id:`, so a client
     that reconnects with `Last-Event-ID` resumes right after it (`GET
-    /v1/requests/{id}/events`)."""
+    /v1/requests/{id}/events`). A stream that fails (the broker away for longer than a stream
+    waits, or a fault of ours) ends with a `stream_failed` error event, then `[DONE]`."""
     is_first = subscription.next_seq == 0
     last = b""
     try:
-        async for event in subscription.events():
-            chunks = _chunks(event, fmt, is_first=is_first)
-            is_first = is_first and not chunks
-            encoded = _encoded(chunks, event.seq)
-            if isinstance(event, TokenEvent):
-                if encoded:
-                    yield encoded
-                continue
-            last = encoded
-            break
+        try:
+            async for event in subscription.events(keepalive_s):
+                if isinstance(event, Keepalive):
+                    yield PING, False
+                    continue
+                chunks = _chunks(event, fmt, is_first=is_first)
+                is_first = is_first and not chunks
+                encoded = _encoded(chunks, event.seq)
+                if isinstance(event, TokenEvent):
+                    if encoded:
+                        yield encoded, False
+                    continue
+                last = encoded
+                break
+        except Exception as exc:
+            log.exception("the stream of %s failed", subscription.info.request_id)
+            last = _encoded([_failure_json(subscription, exc)], None)
         # Its events are over: it listens no more, whatever the last writes below take.
         await subscription.close()
-        if not subscription.is_finished and subscription.interruption is not None:
+        interruption = subscription.interruption
+        if not subscription.is_finished and interruption not in (None, Interruption.CLIENT_GONE):
             last += _encoded([_interruption_json(subscription)], None)
-        yield last + DONE
+        yield last + DONE, True
     finally:
         await subscription.close()
 
 
 DONE = ServerSentEvent(data="[DONE]").encode()
+PING = ServerSentEvent(comment="ping").encode()
 
 
 def _encoded(chunks: list[dict], seq: int | None) -> bytes:
@@ -125,72 +136,6 @@ def _encoded(chunks: list[dict], seq: int | None) -> bytes:
         ).encode()
         for i, chunk in enumerate(chunks)
     )
-
-
-class SubscriptionStream(EventSourceResponse):
-    """The SSE response of one subscription, which it closes however the response ends:
-    `sse_events` closes it too, but only once it has started, and a client that leaves at
-    once can end the response before the generator ever runs (an async generator never
-    started runs no `finally`: the subscription stayed open and the request ran to its
-    end). `holding`, if given, is entered for the response's whole life (a resume stream's
-    slot). A send its client does not take within `send_timeout_s` stalls the stream
-    (`_StallWatch`)."""
-
-    def __init__(
-        self,
-        subscription: Subscription,
-        fmt: ChunkFormat,
-        *,
-        send_timeout_s: float,
-        holding: AbstractAsyncContextManager | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(sse_events(subscription, fmt), **kwargs)
-        self.subscription = subscription
-        self.send_timeout_s = send_timeout_s
-        self.holding = holding
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watched = _StallWatch(send, self.send_timeout_s, self._stalled)
-        async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(self.subscription.close)
-            if self.holding is not None:
-                await stack.enter_async_context(self.holding)
-            await super().__call__(scope, receive, watched)
-
-    async def _stalled(self) -> None:
-        """Its client takes nothing: cancel the request now (the worker stops, the usage
-        counts what was computed), and end the stream at its next event's boundary."""
-        log.info(
-            "stream of %s stalled: its client took nothing for %.0f s; cancelling it",
-            self.subscription.info.request_id,
-            self.send_timeout_s,
-        )
-        self.subscription.interrupt(Interruption.STREAM_STALLED)
-        await self.subscription.close()
-
-
-@dataclass
-class _StallWatch:
-    """`send`, watched: the first message not taken within `timeout_s` (uvicorn waits for
-    the socket to drain before it writes anything, so nothing of it is written yet) calls
-    `on_stall`, and is then sent all the same, however long that takes, as is everything
-    after it: no event is cut or lost, and the stream's last events wait for the client."""
-
-    send: Send
-    timeout_s: float
-    on_stall: Callable[[], Awaitable[None]]
-    is_stalled: bool = False
-
-    async def __call__(self, message: Message) -> None:
-        if not self.is_stalled:
-            with anyio.move_on_after(self.timeout_s) as scope:
-                await self.send(message)
-            if not scope.cancelled_caught:
-                return
-            self.is_stalled = True
-            await self.on_stall()
-        await self.send(message)
 
 
 def _chunks(
@@ -212,6 +157,8 @@ async def collect(subscription: Subscription, fmt: ChunkFormat) -> dict:
     parts: list[str] = []
     try:
         async for event in subscription.events():
+            if isinstance(event, Keepalive):
+                continue
             if isinstance(event, ErrorEvent):
                 status, error_type = _error_status(event)
                 raise APIError(status, event.message, type=error_type, code=event.code)
@@ -305,6 +252,19 @@ def _interruption_json(subscription: Subscription) -> dict:
             "code": reason,
             "request_id": subscription.info.request_id,
             "last_event_id": str(last_event_id) if last_event_id >= 0 else None,
+        }
+    }
+
+
+def _failure_json(subscription: Subscription, exc: Exception) -> dict:
+    request_id = subscription.info.request_id
+    return {
+        "error": {
+            "message": f"The stream of request {request_id} failed ({type(exc).__name__}).",
+            "type": "server_error",
+            "param": None,
+            "code": "stream_failed",
+            "request_id": request_id,
         }
     }
 

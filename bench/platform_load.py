@@ -89,7 +89,7 @@ def run(plan: LoadPlan, *, echo: Callable[[str], None] = print) -> dict[str, Any
         redis_config = _redis_config(started)
     return {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": _machine(),
+        "machine": machine(),
         "plan": asdict(plan)
         | {"max_tokens": plan.max_tokens, "stream_idle_check_s": plan.stream_idle_check_s},
         "open_files": limits | {"redis_maxclients": redis_config.get("maxclients")},
@@ -407,7 +407,8 @@ def _redis_config(started: Platform) -> dict[str, str]:
         return c.config_get("maxclients")  # type: ignore[return-value]  # redis-py: sync commands typed Awaitable[T] | T (redis-py#2399)
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
     return {
         "cpu": _cpu_model() or host.machine(),
         "num_cpus": os.cpu_count(),

@@ -75,7 +75,7 @@ def run(plan: SpikePlan, *, echo=print) -> dict[str, Any]:
     with_, without = pooled["with_shared_worker"], pooled["without_shared_worker"]
     return {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": platform_load._machine(),
+        "machine": platform_load.machine(),
         "plan": asdict(plan) | {"capacity_per_s": plan.capacity_per_s},
         "runs": repeats[0],
         "repeats": repeats,

@@ -231,3 +231,29 @@ async def test_a_fresh_stream_reads_no_journal_before_its_first_event(aredis, su
     await subscription.close(cancel_if_unfinished=False)
     assert (first.seq, first.text) == (0, "a")
     assert journal.num_reads == 0
+
+
+async def test_keepalives_come_while_silent_and_the_silence_checks_keep_their_time(
+    aredis, subscriber
+):
+    # Keepalives every 0.1 s, silence checks every 0.2 s (started: they do not back off). A
+    # keepalive's wake-up must not restart the check's wait, or no check would ever come.
+    journal = _CountingJournal(aredis, ttl_s=60)
+    request = make_request(0, [1, 2, 3], 4, tenant_id=f"t-{uuid.uuid4().hex[:8]}")
+    request = request.model_copy(update={"request_id": uuid.uuid4().hex})
+    subscription = await _broker(aredis, journal, subscriber, idle_check_s=0.2).submit(request)
+    assert await journal.append(request.request_id, _token(0))
+    items = []
+
+    async def read() -> None:
+        async for item in subscription.events(keepalive_s=0.1):
+            items.append(item)
+
+    reading = asyncio.ensure_future(read())
+    await asyncio.sleep(1.5)
+    reading.cancel()
+    await subscription.close(cancel_if_unfinished=False)
+    assert items[0] == _token(0)
+    num_keepalives = sum(item is broker.KEEPALIVE for item in items)
+    assert 8 <= num_keepalives <= 16
+    assert journal.num_reads >= 4

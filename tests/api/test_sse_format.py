@@ -7,7 +7,8 @@ import json
 from types import SimpleNamespace
 
 from api.broker import Interruption
-from api.streaming import ChunkFormat, _StallWatch, sse_events
+from api.sse_response import _StallWatch
+from api.streaming import ChunkFormat, sse_events
 from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, Usage
 
 
@@ -23,7 +24,7 @@ class FakeSubscription:
         self.interruption: Interruption | None = None
         self.is_closed = False
 
-    async def events(self):
+    async def events(self, keepalive_s=None):
         for event in self._events:
             self.next_seq = event.seq + 1
             self.is_finished = not isinstance(event, TokenEvent)
@@ -41,7 +42,10 @@ def _fmt(is_chat: bool, include_usage: bool = True) -> ChunkFormat:
 async def _collect(events, fmt, interruption=None) -> tuple[list, FakeSubscription]:
     """The data of every SSE event the stream writes, in order."""
     sub = FakeSubscription(events, interruption)
-    written = b"".join([body async for body in sse_events(sub, fmt)]).decode()
+    writes = [write async for write in sse_events(sub, fmt)]
+    # Only the last write ends the response.
+    assert [is_last for _, is_last in writes] == [False] * (len(writes) - 1) + [True]
+    written = b"".join(body for body, _ in writes).decode()
     data = [
         line.removeprefix("data: ")
         for event in written.split("\r\n\r\n")
@@ -105,7 +109,7 @@ async def test_the_last_sse_event_of_each_worker_event_carries_its_seq_as_id():
         FinalEvent(seq=2, text="c", finish_reason="length", usage=usage),
     ]
     sub = FakeSubscription(events)
-    writes = [body.decode() async for body in sse_events(sub, _fmt(is_chat=False))]
+    writes = [body.decode() async for body, _ in sse_events(sub, _fmt(is_chat=False))]
     sse = [e for write in writes for e in write.split("\r\n\r\n") if e]
     ids = [next((f[4:] for f in e.split("\r\n") if f.startswith("id: ")), None) for e in sse]
     # the final event makes two chunks (text, usage): only the second carries its id
@@ -156,3 +160,29 @@ async def test_a_send_its_client_does_not_take_stalls_the_stream_once_and_still_
     await watched({"body": b"after"})
     assert [m["body"] for m in sent] == [b"fast", b"slow", b"after"]
     assert num_stalls == 1 and watched.is_stalled
+
+
+class _FailingSubscription(FakeSubscription):
+    """Hands out its events, then fails (the broker away for too long, or a fault of ours)."""
+
+    async def events(self, keepalive_s=None):
+        async for event in super().events():
+            yield event
+        raise ConnectionError("the broker is gone")
+
+
+async def test_a_stream_that_fails_ends_with_an_error_event_then_done():
+    sub = _FailingSubscription([TokenEvent(seq=0, text="Hi", num_tokens=1)])
+    writes = [write async for write in sse_events(sub, _fmt(is_chat=False))]
+    assert writes[-1][1] and not writes[0][1]
+    last = writes[-1][0].decode()
+    assert '"code": "stream_failed"' in last and "cmpl-1" in last
+    assert last.endswith("data: [DONE]\r\n\r\n")
+    assert sub.is_closed
+
+
+async def test_a_stream_whose_client_left_writes_no_error_event():
+    events = [TokenEvent(seq=0, text="Hi", num_tokens=1)]
+    out, sub = await _collect(events, _fmt(is_chat=False), Interruption.CLIENT_GONE)
+    assert [c if c == "[DONE]" else c["choices"][0]["text"] for c in out] == ["Hi", "[DONE]"]
+    assert sub.is_closed
