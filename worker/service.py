@@ -168,7 +168,7 @@ class Worker:
         self._draining.set()
 
     async def run(self) -> None:
-        redis = async_client(self._settings.redis_url)
+        redis = async_client(self._settings.redis_url, auto_pipeline=True)
         beating = asyncio.create_task(self._heartbeat(redis))
         try:
             weights = await self._load_weights()
