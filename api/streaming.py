@@ -242,29 +242,29 @@ def _error_status(event: ErrorEvent) -> tuple[int, str]:
 
 def _interruption_json(subscription: Subscription) -> dict:
     """The error event of a stream this process interrupted, with what a resume needs."""
-    reason = subscription.interruption
-    last_event_id = subscription.next_seq - 1
-    return {
-        "error": {
-            "message": _interruption_message(subscription),
-            "type": "server_error",
-            "param": None,
-            "code": reason,
-            "request_id": subscription.info.request_id,
-            "last_event_id": str(last_event_id) if last_event_id >= 0 else None,
-        }
-    }
+    return _stream_error_json(
+        subscription, str(subscription.interruption), _interruption_message(subscription)
+    )
 
 
 def _failure_json(subscription: Subscription, exc: Exception) -> dict:
     request_id = subscription.info.request_id
+    message = f"The stream of request {request_id} failed ({type(exc).__name__})."
+    return _stream_error_json(subscription, "stream_failed", message)
+
+
+def _stream_error_json(subscription: Subscription, code: str, message: str) -> dict:
+    """An error event that this process writes itself: the request and the last event
+    delivered, for `GET /v1/requests/{id}/events`."""
+    last_event_id = subscription.next_seq - 1
     return {
         "error": {
-            "message": f"The stream of request {request_id} failed ({type(exc).__name__}).",
+            "message": message,
             "type": "server_error",
             "param": None,
-            "code": "stream_failed",
-            "request_id": request_id,
+            "code": code,
+            "request_id": subscription.info.request_id,
+            "last_event_id": str(last_event_id) if last_event_id >= 0 else None,
         }
     }
 

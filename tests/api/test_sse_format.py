@@ -176,7 +176,7 @@ async def test_a_stream_that_fails_ends_with_an_error_event_then_done():
     writes = [write async for write in sse_events(sub, _fmt(is_chat=False))]
     assert writes[-1][1] and not writes[0][1]
     last = writes[-1][0].decode()
-    assert '"code": "stream_failed"' in last and "cmpl-1" in last
+    assert '"code": "stream_failed"' in last and '"last_event_id": "0"' in last
     assert last.endswith("data: [DONE]\r\n\r\n")
     assert sub.is_closed
 
