@@ -31,6 +31,7 @@ from starlette.requests import Request
 
 from api.errors import rate_limited
 from shared import keys
+from shared.lua import LuaScript
 from shared.settings import Settings
 
 log = logging.getLogger("llmfleet.api")
@@ -42,6 +43,7 @@ local num_failures = tonumber(redis.call('GET', KEYS[1]) or '0')
 if num_failures < tonumber(ARGV[1]) then return 0 end
 return math.max(redis.call('PTTL', KEYS[1]), 1)
 """
+_CHECK = LuaScript(_CHECK_LUA)
 
 # KEYS: the address's counter. ARGV: window (ms). Returns the failures in the window, this
 # one included. The expiry is set whenever the key has none: the first failure of a window.
@@ -50,6 +52,7 @@ local num_failures = redis.call('INCR', KEYS[1])
 if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return num_failures
 """
+_COUNT = LuaScript(_COUNT_LUA)
 
 
 def client_address(request: Request) -> str:
@@ -70,8 +73,8 @@ async def refuse_if_throttled(redis: aioredis.Redis, settings: Settings, address
     """429 while `address` has used up its failed authentications for the window."""
     if settings.max_num_auth_failures == 0:
         return
-    wait_ms = await redis.register_script(_CHECK_LUA)(
-        keys=[keys.auth_failures(address)], args=[settings.max_num_auth_failures]
+    wait_ms = await _CHECK(
+        redis, keys=[keys.auth_failures(address)], args=[settings.max_num_auth_failures]
     )
     if int(wait_ms) > 0:
         retry_after_s = math.ceil(int(wait_ms) / 1000)
@@ -86,8 +89,8 @@ async def count_failure(redis: aioredis.Redis, settings: Settings, address: str)
     """One more failed authentication from `address` in its window."""
     if settings.max_num_auth_failures == 0:
         return
-    num_failures = await redis.register_script(_COUNT_LUA)(
-        keys=[keys.auth_failures(address)], args=[settings.auth_failure_window_s * 1000]
+    num_failures = await _COUNT(
+        redis, keys=[keys.auth_failures(address)], args=[settings.auth_failure_window_s * 1000]
     )
     if int(num_failures) == settings.max_num_auth_failures:
         log.warning(

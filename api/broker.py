@@ -42,6 +42,7 @@ from shared import arrivals, keys, recovery
 from shared.ending import end_request, failed
 from shared.journal import Journal
 from shared.logs import bind_request
+from shared.lua import LuaScript
 from shared.protocol import (
     ErrorCode,
     ErrorEvent,
@@ -374,6 +375,7 @@ redis.call('HINCRBY', KEYS[4], 'prompt_tokens', ARGV[4])
 redis.call('EXPIRE', KEYS[4], ARGV[5])
 return id
 """
+_ENQUEUE = LuaScript(_ENQUEUE_LUA)
 
 
 async def _enqueue(
@@ -383,7 +385,8 @@ async def _enqueue(
     fields = {**_info_fields(info), "stream": stream, **_usage_fields(request)}
     if request.queue_deadline_ts is not None:
         fields["queue_deadline_ts"] = str(request.queue_deadline_ts)
-    await redis.register_script(_ENQUEUE_LUA)(
+    await _ENQUEUE(
+        redis,
         keys=[
             keys.model_tenants(request.deployment_name),
             stream,

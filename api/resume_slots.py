@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 
 from api.errors import rate_limited
 from shared import keys
+from shared.lua import LuaScript
 from shared.redis_conn import BROKER_ERRORS
 from shared.settings import Settings
 
@@ -56,6 +57,7 @@ end
 return 0
 """
 )
+_ACQUIRE = LuaScript(_ACQUIRE_LUA)
 
 # KEYS, ARGV[1..2]: as above. Renews only a slot still held (XX): one that expired while the
 # broker was unreachable is not taken back over the cap.
@@ -138,7 +140,8 @@ async def acquire(
     """A slot for one more resume stream on `request_id`, or 429 naming the cap reached."""
     slot_keys = [keys.request_resume_streams(request_id), keys.tenant_resume_streams(tenant_id)]
     stream_id = uuid.uuid4().hex
-    refused = await redis.register_script(_ACQUIRE_LUA)(
+    refused = await _ACQUIRE(
+        redis,
         keys=slot_keys,
         args=[stream_id, limits.lease_s, limits.max_num_per_request, limits.max_num_per_tenant],
     )

@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 import redis.asyncio as aioredis
 
 from shared import keys
+from shared.lua import LuaScript
 from shared.protocol import QueuedRequest
 from shared.redis_conn import text
 from shared.tenants import TenantLimits
@@ -130,6 +131,7 @@ if num_requests_left or num_tokens_left then redis.call('EXPIRE', KEYS[3], 60) e
 return {'ok', 0}
 """
 )
+_ADMIT = LuaScript(_ADMIT_LUA)
 
 # KEYS: in-flight set, queued set, buckets hash.
 # ARGV: request id, tokens to give back, requests to give back.
@@ -153,6 +155,7 @@ refund(KEYS[3], 'rpm', tonumber(ARGV[3]), now)
 return 1
 """
 )
+_SETTLE = LuaScript(_SETTLE_LUA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +231,8 @@ async def _admit(
     max_lifetime_s: float,
 ) -> Refusal | None:
     allowed = _limits_by_name(limits)
-    reply = await redis.register_script(_ADMIT_LUA)(
+    reply = await _ADMIT(
+        redis,
         keys=_keys(tenant_id),
         args=[
             request_id,
@@ -264,15 +268,15 @@ async def free_slots(redis: aioredis.Redis, tenant_id: str, request_id: str) -> 
     """A request refused after `admit_request` (a bad prompt, too many tokens): free its
     slots but give back no request, so every request that got that far, and cost the API
     its tokenizing, counts against its tenant's requests per minute."""
-    reply = await redis.register_script(_SETTLE_LUA)(keys=_keys(tenant_id), args=[request_id, 0, 0])
+    reply = await _SETTLE(redis, keys=_keys(tenant_id), args=[request_id, 0, 0])
     return reply == 1
 
 
 async def _end(
     redis: aioredis.Redis, request: QueuedRequest, num_tokens: int, num_requests: int
 ) -> bool:
-    reply = await redis.register_script(_SETTLE_LUA)(
-        keys=_keys(request.tenant_id), args=[request.request_id, num_tokens, num_requests]
+    reply = await _SETTLE(
+        redis, keys=_keys(request.tenant_id), args=[request.request_id, num_tokens, num_requests]
     )
     return reply == 1
 
