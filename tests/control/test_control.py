@@ -11,7 +11,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from redis.asyncio.client import Pipeline
+from arq.constants import job_key_prefix
 from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import create_engine
 from sqlmodel import select
@@ -83,30 +83,33 @@ async def test_a_usage_event_is_recorded_once(db, settings, aredis, make_tenant,
     assert len(records_of(db, event.request_id)) == 1  # a late redelivery: insert-if-absent
 
 
-async def test_a_usage_job_lost_with_its_connection_is_not_taken_for_enqueued(
+async def test_a_usage_job_whose_reply_was_lost_is_enqueued_once_by_the_retry(
     db, settings, aredis, make_tenant, deployment_id, monkeypatch
 ):
-    """arq enqueues in a watched transaction and reads its failure as "someone else enqueued
-    this id"; redis-py fails it that way too when the connection breaks. Here the
-    transaction's own connection is killed between its WATCH and its EXEC."""
+    """The enqueue ran but its connection broke before the reply came: the caller sees a
+    connection error and retries (`shared/ending.py`), which finds the job there and adds
+    nothing; the job is whole (arq's form, its expiry) and recorded once."""
     tenant_id, _key = make_tenant("control-lost")
     event = make_event(tenant_id, deployment_id)
-    immediate = Pipeline.immediate_execute_command
+    job_id = usage_jobs.usage_job_id(event.request_id)
+    evalsha = aredis.evalsha
 
-    async def killed_after_exists(self, *args, **options):
-        result = await immediate(self, *args, **options)
-        if args[0] == "EXISTS":
-            await aredis.client_kill_filter(_id=await immediate(self, "CLIENT ID"))
-        return result
+    async def reply_lost(*args):
+        await evalsha(*args)
+        raise RedisConnectionError("Connection closed by server.")
 
     with monkeypatch.context() as patch:
-        patch.setattr(Pipeline, "immediate_execute_command", killed_after_exists)
+        patch.setattr(aredis, "evalsha", reply_lost)
         with pytest.raises(RedisConnectionError):
             await usage_jobs.enqueue_usage(aredis, event, QUEUE)
-    assert await aredis.zscore(QUEUE, usage_jobs.usage_job_id(event.request_id)) is None
-    await usage_jobs.enqueue_usage(aredis, event, QUEUE)  # the caller's retry gets it through
+    assert await aredis.zscore(QUEUE, job_id) is not None
+    assert await aredis.pttl(job_key_prefix + job_id) > usage_jobs.JOB_EXPIRES_MS - 60_000
+    assert await usage_jobs.enqueue_usage(aredis, event, QUEUE) is False  # the retry
+    assert await aredis.zcard(QUEUE) == 1
     await run_burst(settings, db)
     assert len(records_of(db, event.request_id)) == 1
+    # Done, its result kept: a late redelivery enqueues nothing either.
+    assert await usage_jobs.enqueue_usage(aredis, event, QUEUE) is False
 
 
 async def test_a_database_outage_is_waited_out(
