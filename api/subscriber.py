@@ -131,7 +131,8 @@ class _SharedConnection:
     Per channel it keeps the SUBSCRIBEs and UNSUBSCRIBEs sent and not yet answered, in the
     order sent (Redis answers in that order): a channel is live, and its waiting listeners
     are told so, when the answer to the last one sent is a subscribe. Commands are written
-    one at a time under `_lock`, their bookkeeping with them, so it follows the wire."""
+    one at a time under `_lock`, their bookkeeping with them, so it follows the wire; the
+    channels asked for (or given up) in one turn of the event loop share one command."""
 
     def __init__(self, make_connection: Callable[[], AbstractConnection]) -> None:
         self._make_connection = make_connection
@@ -144,6 +145,8 @@ class _SharedConnection:
         # Channels that had listeners when a connection dropped: once subscribed again, their
         # inboxes are told that they missed what came meanwhile.
         self._to_repair: set[bytes] = set()
+        self._to_subscribe: set[bytes] = set()
+        self._subscribing: asyncio.Task | None = None
         self._to_unsubscribe: set[bytes] = set()
         self._unsubscribing: asyncio.Task | None = None
 
@@ -172,8 +175,8 @@ class _SharedConnection:
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(channel, []).append(waiter)
+        self._subscribe(channel)
         try:
-            await self._subscribe(channel)
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
                 await waiter
         except TimeoutError:
@@ -201,16 +204,31 @@ class _SharedConnection:
         if self._unsubscribing is None or self._unsubscribing.done():
             self._unsubscribing = asyncio.create_task(self._unsubscribe())
 
-    async def _subscribe(self, channel: bytes) -> None:
-        async with self._lock:
-            connection = self._connection
-            if connection is None or channel in self._live:
-                return  # down: its reconnection subscribes every listener's channel
-            in_flight = self._in_flight.get(channel)
-            if in_flight and in_flight[-1] == _SUBSCRIBE:
-                return  # another listener's SUBSCRIBE is on its way: its answer will do
-            with contextlib.suppress(*BROKER_ERRORS):  # lost: the reconnection subscribes it
-                await self._send(connection, _SUBSCRIBE, channel)
+    def _subscribe(self, channel: bytes) -> None:
+        """Subscribe `channel` soon, in the background, with every other channel asked for
+        in the same turn of the event loop: one SUBSCRIBE, one write, for all of them."""
+        self._to_subscribe.add(channel)
+        if self._subscribing is None or self._subscribing.done():
+            self._subscribing = asyncio.create_task(self._send_subscribes())
+
+    async def _send_subscribes(self) -> None:
+        while self._to_subscribe:
+            async with self._lock:
+                channels = [c for c in self._to_subscribe if self._needs_subscribe(c)]
+                self._to_subscribe.clear()
+                connection = self._connection
+                # Down: its reconnection subscribes every listener's channel; lost on the
+                # way: the reconnection does too.
+                if connection is not None and channels:
+                    with contextlib.suppress(*BROKER_ERRORS):
+                        await self._send(connection, _SUBSCRIBE, *channels)
+
+    def _needs_subscribe(self, channel: bytes) -> bool:
+        if channel not in self.listeners or channel in self._live:
+            return False  # left meanwhile, or subscribed already
+        in_flight = self._in_flight.get(channel)
+        # Another listener's SUBSCRIBE is on its way: its answer will do.
+        return not (in_flight and in_flight[-1] == _SUBSCRIBE)
 
     async def _unsubscribe(self) -> None:
         while self._to_unsubscribe:
