@@ -113,8 +113,7 @@ async def _completion_prompt_ids(
     ctx: ApiContext, principal: Principal, deployment: ModelDeployment, prompt: str | list[int]
 ) -> list[int]:
     if isinstance(prompt, list):
-        tokenizer = await ctx.tokenizers.get(deployment)
-        return _checked_token_ids(prompt, len(tokenizer))
+        return _checked_token_ids(prompt, await ctx.tokenizers.vocab_size(deployment))
     _check_prompt_chars(ctx.settings, deployment, len(prompt), param="prompt")
     tokenizer = await ctx.tokenizers.get(deployment)
     return await ctx.tokenizer_threads.run(

@@ -37,6 +37,8 @@ class TokenizerCache:
 
     settings: Settings
     _tokenizers: dict[str, object] = field(default_factory=dict)
+    # `len(tokenizer)` walks the added tokens each time: counted once per source.
+    _vocab_sizes: dict[str, int] = field(default_factory=dict)
     # One load at a time, whatever the deployment: two threads importing transformers'
     # lazily loaded modules at once fail ("cannot import name 'AutoTokenizer'"), as the
     # startup's warm-up and a first request did.
@@ -51,6 +53,12 @@ class TokenizerCache:
                 self._tokenizers[source] = await run_in_threadpool(self._load, deployment)
                 heap.freeze_long_lived()  # a tokenizer is kept for life (`shared/heap.py`)
         return self._tokenizers[source]
+
+    async def vocab_size(self, deployment: ModelDeployment) -> int:
+        """How many token ids the deployment's tokenizer has (its added tokens included)."""
+        if (size := self._vocab_sizes.get(deployment.source)) is None:
+            size = self._vocab_sizes[deployment.source] = len(await self.get(deployment))
+        return size
 
     def is_loaded(self, deployment: ModelDeployment) -> bool:
         return deployment.source in self._tokenizers
