@@ -198,6 +198,14 @@ def bench(
     load_burst_concurrency: Annotated[
         int, typer.Option(help="--platform-load: the burst's requests in flight at once.")
     ] = PLATFORM_LOAD.burst_concurrency,
+    load_burst_keep_alive: Annotated[
+        bool,
+        typer.Option(
+            help="--platform-load: the burst's clients keep their connections between "
+            "requests, as a pooling client or a load balancer does (--no-load-burst-keep-alive: "
+            "a new connection per request)."
+        ),
+    ] = PLATFORM_LOAD.burst_keep_alive,
     load_client_processes: Annotated[
         int, typer.Option(help="--platform-load: load-generating processes.")
     ] = PLATFORM_LOAD.num_client_processes,
@@ -301,6 +309,7 @@ def bench(
             hold_s=load_hold_s,
             num_burst_requests=load_burst_requests,
             burst_concurrency=load_burst_concurrency,
+            burst_keep_alive=load_burst_keep_alive,
             num_client_processes=load_client_processes,
             source=source,
             sample_interval_s=load_sample_interval_s,

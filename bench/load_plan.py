@@ -25,6 +25,9 @@ class LoadPlan:
     hold_s: float = 20.0  # all streams open together at least this long
     num_burst_requests: int = 5000
     burst_concurrency: int = 256
+    # Each of the burst's lanes keeps its connection, as clients behind a pool or a load
+    # balancer do: what a request costs the API, not what accepting a connection does.
+    burst_keep_alive: bool = True
     burst_tokens_per_s: float = 200.0  # the burst's echo worker's steps a second
     num_client_processes: int = 2
     source: str = DEFAULT_MODEL_ID  # whose tokenizer the deployments use

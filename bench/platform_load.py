@@ -16,8 +16,8 @@ without limits, then measures in two phases:
    memory, descriptors and Redis connections while it held the most streams, against a
    baseline taken before; its CPU per token delivered while all streams were open.
 2. **Admission**: `num_burst_requests` requests of `max_tokens` 1 at `burst_concurrency`
-   (closed loop): the requests the API admitted a second, the errors, and its CPU per
-   request.
+   (closed loop; each lane keeps its connection with `burst_keep_alive`, else a new one per
+   request): the requests the API admitted a second, the errors, and its CPU per request.
 
 The control process is not started: usage events wait in Redis (its cost is not the
 API's), as do the journals until they expire. Everything is stopped afterwards and the home
@@ -309,7 +309,7 @@ def _hold_report(
 
 def _admission_phase(started: Platform, plan: LoadPlan) -> dict[str, Any]:
     base = _config(started, BURST_MODEL, plan.num_burst_requests, max_tokens=1)
-    base = replace(base, timeout_s=120.0)
+    base = replace(base, timeout_s=120.0, keep_alive=plan.burst_keep_alive)
     per_process = max(1, plan.burst_concurrency // plan.num_client_processes)
     configs = [
         replace(config, concurrency=per_process)

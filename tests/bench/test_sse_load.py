@@ -31,6 +31,7 @@ class FakeApi:
         self.num_open = 0
         self.max_num_open = 0
         self.bodies: list[dict] = []
+        self.client_ports: list[int] = []  # one per connection
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"])])
@@ -39,6 +40,7 @@ class FakeApi:
         assert request.headers["authorization"] == f"Bearer {API_KEY}"
         body = await request.json()
         self.bodies.append(body)
+        self.client_ports.append(request.client.port)
         if body["prompt"] == [3]:
             return JSONResponse({"error": {"code": "requests_in_flight_exceeded"}}, 429)
         return EventSourceResponse(self.events(body["prompt"]), ping=60)
@@ -122,3 +124,23 @@ def test_a_ramp_paces_the_starts_and_concurrency_bounds_the_open_requests():
         assert sent_s >= paced.start_at_s + index / 20.0  # never ahead of the pace
     assert all(r.is_ok for r in records + bounded)
     assert len(bounded_api.bodies) == 6 and bounded_api.max_num_open == 2
+
+
+def test_kept_alive_lanes_send_their_requests_on_one_connection_each():
+    api = FakeApi()
+    with serving(api.app()) as url:
+        records = _run(_config(url, [7], 8, concurrency=2, keep_alive=True))
+    assert len(records) == 8 and all(r.is_ok for r in records), [r.error for r in records]
+    assert all(r.num_completion_tokens == NUM_USAGE_TOKENS for r in records)
+    assert len(api.bodies) == 8 and api.max_num_open == 2
+    assert len(set(api.client_ports)) == 2  # the lanes' two connections, each kept
+
+
+def test_a_kept_alive_lane_opens_a_new_connection_after_an_error():
+    api = FakeApi()
+    with serving(api.app()) as url:
+        cut = _run(_config(url, [2], 3, concurrency=1, keep_alive=True))
+        refused = _run(_config(url, [3], 2, concurrency=1, keep_alive=True))
+    assert [r.error for r in cut] == ["closed before [DONE]"] * 3
+    assert all(r.error is not None and r.error.startswith("HTTP 429") for r in refused)
+    assert len(set(api.client_ports)) == 5  # none of them reused
