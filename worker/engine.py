@@ -108,7 +108,10 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
     def step(self) -> list[SequenceOutput]: ...
-    def stats(self) -> EngineStats: ...
+    def stats(self, *, with_kv_waste: bool = True) -> EngineStats:
+        """Without `with_kv_waste`, `kv_cache_waste` is None (it is a pass over every
+        running sequence)."""
+        ...
 
 
 class StepRunner(Protocol):
@@ -170,15 +173,16 @@ class ContinuousBatchingEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def stats(self) -> EngineStats:
+    def stats(self, *, with_kv_waste: bool = True) -> EngineStats:
         scheduler = self.scheduler
+        waste = scheduler.kv_cache.waste(scheduler.running) if with_kv_waste else None
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             max_num_seqs=scheduler.config.max_num_seqs,
             max_num_tokens_per_sequence=scheduler.kv_cache.max_num_tokens_per_sequence,
             kv_cache_usage=round(scheduler.kv_cache.usage, 4),
-            kv_cache_waste=_rounded(scheduler.kv_cache.waste(scheduler.running)),
+            kv_cache_waste=_rounded(waste),
             kv_cache_blocks=scheduler.kv_cache.num_blocks,
             num_preemptions=scheduler.num_preemptions,
             num_preemptions_by_tenant=dict(scheduler.num_preemptions_by_tenant),

@@ -101,7 +101,7 @@ class StaticBatchEngine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def stats(self) -> EngineStats:
+    def stats(self, *, with_kv_waste: bool = True) -> EngineStats:
         return EngineStats(len(self._running), len(self._waiting), self.max_batch_size)
 
     def step(self) -> list[SequenceOutput]:

@@ -7,6 +7,8 @@ token per sampling chunk.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -127,6 +129,11 @@ class Scheduler:
         self.num_preemptions_by_tenant: Counter[str] = Counter()
         # Sequences of a failed step, each to be run alone until the one at fault is found.
         self.suspects: deque[Sequence] = deque()
+        # (when to look at a sequence's deadlines, a tie-break, the sequence): `expire` looks
+        # only at those whose time came, not at every sequence on every step. Finished ones
+        # are dropped as they come up, or all at once when they are most of the heap.
+        self._deadlines: list[tuple[float, int, Sequence]] = []
+        self._tie_breaks = itertools.count()
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
         """Queue a sequence; refuse it at once (an error output) if it could never fit."""
@@ -137,7 +144,16 @@ class Scheduler:
                 f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence",
             )
         self.waiting.push(seq)
+        deadlines = [d for d in (seq.queue_deadline_s, seq.deadline_s) if d is not None]
+        if deadlines:
+            self._watch(seq, min(deadlines))
         return None
+
+    def _watch(self, seq: Sequence, at_s: float) -> None:
+        if len(self._deadlines) > 2 * (self.num_running + self.num_waiting) + 64:
+            self._deadlines = [item for item in self._deadlines if not item[2].is_finished]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (at_s, next(self._tie_breaks), seq))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -406,13 +422,21 @@ class Scheduler:
     def expire(self, now_s: float) -> list[SequenceOutput]:
         """End the sequences whose queue deadline or total deadline passed by `now_s`."""
         outputs = []
-        for seq in [*self.waiting, *self.running]:
-            if not seq.is_finished and (output := seq.expire(now_s)) is not None:
+        while self._deadlines and self._deadlines[0][0] < now_s:
+            _, _, seq = heapq.heappop(self._deadlines)
+            if seq.is_finished:
+                continue
+            if (output := seq.expire(now_s)) is not None:
                 outputs.append(output)
                 self._release(seq)
+            elif seq.deadline_s is not None and seq.deadline_s >= now_s:
+                # Its queue deadline passed after it had started: its total deadline is next.
+                self._watch(seq, seq.deadline_s)
         return outputs
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
+        if not request_ids:
+            return []
         outputs = []
         for seq in [*self.waiting, *self.running]:
             if seq.request_id in request_ids and not seq.is_finished:

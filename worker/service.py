@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -59,6 +59,7 @@ from worker.weights import (
 log = logging.getLogger("llmfleet.worker")
 
 MAX_REMEMBERED_CANCELS = 10_000
+KV_WASTE_INTERVAL_S = 1.0
 FAIRNESS_SCOPES = ("pool", "worker")
 
 
@@ -141,7 +142,11 @@ class Worker:
         self._activation_s: float | None = None  # the last activation from standby
         # Cancels can arrive before the entry is pulled; remember recent ones (bounded).
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        # Cancels to act on at the next step: those that came since, and those of requests
+        # taken in since that were cancelled before they came.
+        self._to_cancel: set[str] = set()
         self._stats: EngineStats | None = None  # as of the last step, for the heartbeat
+        self._next_kv_waste_s = 0.0
         self._heartbeat_timeout_s = settings.worker_heartbeat_timeout_s
         # While serving: keep this worker's entries claimed, reclaim dead workers'. The lock
         # keeps a reclaim in flight from adding entries once serving has ended.
@@ -394,6 +399,8 @@ class Worker:
                     )
                 continue  # the very entry being served: never acknowledge that one
             publisher.track(entry)
+            if entry.request.request_id in self._cancelled:
+                self._to_cancel.add(entry.request.request_id)
             seq = Sequence.from_request(entry.request, serving.tokenizer, serving.eos_token_ids)
             refused = engine.add(seq)
             serving.telemetry.added(seq, refused)
@@ -417,9 +424,19 @@ class Worker:
         if self._config.fault_step_delay_s:
             await asyncio.sleep(self._config.fault_step_delay_s)
         sync = asyncio.create_task(pool.sync(engine.take_service_updates())) if pool else None
-        report = await self._on_engine_thread(functools.partial(telemetry.timed_step, engine))
+        # The KV cache's waste (a pass over every running sequence) once a second at most:
+        # the heartbeat reports no more often.
+        with_kv_waste = (now_s := time.monotonic()) >= self._next_kv_waste_s
+        if with_kv_waste:
+            self._next_kv_waste_s = now_s + KV_WASTE_INTERVAL_S
+        report = await self._on_engine_thread(
+            functools.partial(telemetry.timed_step, engine, with_kv_waste=with_kv_waste)
+        )
         serving.telemetry.stepped(report)
-        self._stats = report.stats
+        stats = report.stats
+        if not with_kv_waste and self._stats is not None:
+            stats = replace(stats, kv_cache_waste=self._stats.kv_cache_waste)
+        self._stats = stats
         if pool is not None and sync is not None and (counters := await sync) is not None:
             engine.apply_pool_service(counters)
             pool_sync_s = serving.telemetry.metrics.pool_sync_s
@@ -468,8 +485,9 @@ class Worker:
         serving.telemetry.ended(engine.abort(set(request_ids)))
 
     def _take_cancels(self, publisher: Publisher) -> set[str]:
-        # Scan what is in flight (at most a batch), not the remembered cancels (up to 10k).
-        return {rid for rid in publisher.inflight if rid in self._cancelled}
+        # The new cancels only: not every request in flight on every step.
+        to_cancel, self._to_cancel = self._to_cancel, set()
+        return {rid for rid in to_cancel if rid in publisher.inflight}
 
     async def _listen_for_cancels(self, redis: aioredis.Redis) -> None:
         """Remember cancels; subscribe again when the connection is lost (cancels published
@@ -480,7 +498,9 @@ class Worker:
                 await pubsub.subscribe(keys.cancel_channel(self._deployment.model_id))
                 async for message in pubsub.listen():
                     if message["type"] == "message":
-                        self._cancelled[decode_cancel(message["data"])] = None
+                        request_id = decode_cancel(message["data"])
+                        self._cancelled[request_id] = None
+                        self._to_cancel.add(request_id)
                         while len(self._cancelled) > MAX_REMEMBERED_CANCELS:
                             self._cancelled.popitem(last=False)
             except BROKER_ERRORS as exc:

@@ -81,11 +81,14 @@ class StepReport:
     stats: EngineStats
 
 
-def timed_step(engine: Engine, clock: Callable[[], float] = time.time) -> StepReport:
+def timed_step(
+    engine: Engine, clock: Callable[[], float] = time.time, *, with_kv_waste: bool = True
+) -> StepReport:
     """Run one step and time it, on the thread that runs the engine."""
     started_s, started = clock(), time.perf_counter()
     outputs = engine.step()
-    return StepReport(outputs, started_s, time.perf_counter() - started, engine.stats())
+    stats = engine.stats(with_kv_waste=with_kv_waste)
+    return StepReport(outputs, started_s, time.perf_counter() - started, stats)
 
 
 class Telemetry:
@@ -108,6 +111,7 @@ class Telemetry:
         self.metrics = WorkerMetrics()
         self.metrics.max_num_seqs.labels(*self.labels).set(max_num_seqs)
         self._timings: dict[str, _Timing] = {}
+        self._unstarted: dict[str, _Timing] = {}  # of those, the ones no step has run yet
         self._samples = Samples()
         self._num_preemptions_seen: Counter[str] = Counter()
         self._prefix_seen = (0, 0)  # the engine's prefix-cache counters last counted
@@ -122,7 +126,7 @@ class Telemetry:
     def added(self, seq: Sequence, refused: SequenceOutput | None) -> None:
         """`seq` was given to the engine, which took it, or refused it at once."""
         if refused is None:
-            self._timings[seq.request_id] = _Timing(seq)
+            self._timings[seq.request_id] = self._unstarted[seq.request_id] = _Timing(seq)
         else:
             self._count_end(str(seq.tier), refused, self._clock())
 
@@ -135,6 +139,7 @@ class Telemetry:
         they are not counted as ended (that worker counts them)."""
         for request_id in request_ids:
             self._timings.pop(request_id, None)
+            self._unstarted.pop(request_id, None)
 
     def stepped(self, report: StepReport) -> None:
         m, labels, stats = self.metrics, self.labels, report.stats
@@ -163,8 +168,14 @@ class Telemetry:
 
     def _mark_started(self, step_started_s: float) -> None:
         """Queue time of the sequences this step ran for the first time."""
-        for timing in self._timings.values():
-            if timing.started_s is None and timing.seq.status is not SequenceStatus.WAITING:
+        started = [
+            request_id
+            for request_id, timing in self._unstarted.items()
+            if timing.seq.status is not SequenceStatus.WAITING
+        ]
+        for request_id in started:
+            timing = self._unstarted.pop(request_id)
+            if timing.started_s is None:
                 timing.started_s = step_started_s
                 tier = str(timing.seq.tier)
                 self.metrics.request_queue_time_s.labels(*self.labels, tier).observe(
@@ -180,6 +191,7 @@ class Telemetry:
                 self._observe_token(timing, output, now_s)
             if output.is_finished:
                 del self._timings[output.request_id]
+                self._unstarted.pop(output.request_id, None)
                 self._observe_end(timing, output, now_s)
 
     def _observe_token(self, timing: _Timing, output: SequenceOutput, now_s: float) -> None:

@@ -158,3 +158,30 @@ def test_deadlines_end_waiting_and_running_sequences_and_free_their_blocks():
     assert deadline.num_output_tokens == 1
     assert not s.has_work()
     assert s.kv_cache.num_free_blocks == s.kv_cache.num_blocks
+
+
+def test_a_started_sequence_outlives_its_queue_deadline_until_its_total_deadline():
+    s = _scheduler()
+    seq = make_sequence(0, 4, 20)
+    seq.queue_deadline_s, seq.deadline_s = 50.0, 100.0
+    s.add(seq)
+    _run_step(s)  # started before its queue deadline
+    assert s.expire(now_s=60.0) == []
+    assert s.expire(now_s=99.0) == []
+    (deadline,) = s.expire(now_s=101.0)
+    assert (deadline.request_id, deadline.finish_reason) == ("r0", "deadline")
+
+
+def test_the_deadlines_of_finished_sequences_are_not_kept():
+    # Every request has a deadline, most far ahead: the sequences that finish before it
+    # must not stay behind, held by the scheduler, until it passes.
+    s = _scheduler(num_blocks=400, max_num_seqs=8)
+    for index in range(2000):
+        seq = make_sequence(index, 4, 1)
+        seq.deadline_s = 1e9
+        s.add(seq)
+        if index % 8 == 7:
+            while s.has_work():
+                _run_step(s)
+    assert len(s._deadlines) <= 2 * 8 + 64 + 1
+    assert s.expire(now_s=1e9 + 1) == []
