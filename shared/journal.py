@@ -140,10 +140,18 @@ class Journal:
         taken (another worker generates it)."""
         return bool(await self._append(**self._args(request_id, event)))
 
-    async def append_in(self, pipe: Pipeline, request_id: str, event: TokenEvent) -> None:
+    def append_in(self, pipe: Pipeline, request_id: str, event: TokenEvent) -> None:
         """Queue an append on `pipe` (one pipeline per engine step); its result is the same
-        0/1 as `append`'s, in the pipeline's results."""
-        await self._append(**self._args(request_id, event), client=pipe)
+        0/1 as `append`'s, in the pipeline's results. Sent by the script's SHA1 alone: a
+        redis-py pipeline holding a `Script` first asks Redis whether it has it (`SCRIPT
+        EXISTS`, a round trip of its own on every step). A Redis that lost its scripts (it
+        restarted) fails the pipeline with `NoScriptError`: `load_append_script`, then run it
+        again (appends are idempotent)."""
+        args = self._args(request_id, event)
+        pipe.evalsha(self._append.sha, len(args["keys"]), *args["keys"], *args["args"])
+
+    async def load_append_script(self) -> None:
+        await self._redis.script_load(_APPEND_LUA)
 
     async def read_after(self, request_id: str, seq: int) -> list[Event]:
         """The journal's events with a sequence number above `seq` (-1: all of them)."""

@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from shared import keys, quota
 from shared.ending import Ending, end_request
@@ -116,9 +116,16 @@ class Publisher:
 
     async def _append(self, events: list[tuple[str, TokenEvent]]) -> list[int]:
         """Append a step's token events in one round trip (idempotent: `Journal`)."""
+        try:
+            return await self._append_once(events)
+        except NoScriptError:  # Redis restarted since the script was loaded
+            await self._journal.load_append_script()
+            return await self._append_once(events)
+
+    async def _append_once(self, events: list[tuple[str, TokenEvent]]) -> list[int]:
         async with self._redis.pipeline(transaction=False) as pipe:
             for request_id, event in events:
-                await self._journal.append_in(pipe, request_id, event)
+                self._journal.append_in(pipe, request_id, event)
             return await pipe.execute()
 
     def _is_live(self, output: SequenceOutput) -> bool:

@@ -92,3 +92,15 @@ async def test_a_request_ended_elsewhere_is_orphaned_and_not_written_again(serve
     await publisher.publish([_token(rid, "c", 3)])  # the step before the abort took effect
     assert [e.text for e in await journal.read_after(rid, -1)] == ["a"]
     assert await aredis.xlen(entry.stream) == 1  # not this worker's to acknowledge
+
+
+async def test_tokens_are_appended_after_redis_lost_its_scripts(served, aredis):
+    """A restarted Redis holds no scripts: the step's appends go by SHA1 alone, so the
+    publisher loads the script and sends them again, once each."""
+    publisher, journal, entry = served
+    rid = entry.request.request_id
+    await publisher.publish([_token(rid, "He", 1)])
+    await aredis.script_flush()
+    await publisher.publish([_token(rid, "ll", 2)])
+    events = await journal.read_after(rid, -1)
+    assert [(e.type, e.seq, e.text) for e in events] == [("token", 0, "He"), ("token", 1, "ll")]
