@@ -39,3 +39,27 @@ async def test_a_call_is_retried_while_the_broker_is_unreachable_then_given_up(m
     with pytest.raises(redis.ResponseError):
         await redis_conn.retrying(refused, within_s=5, what="test")
     assert len(attempts) == 1
+
+
+@pytest.mark.parametrize("max_connections", [None, 4])
+async def test_commands_packed_by_hiredis_reach_redis_as_redis_py_packs_them(
+    redis_server, max_connections
+):
+    client = redis_conn.async_client(redis_server.url, max_connections=max_connections)
+    try:
+        assert client.connection_pool.connection_class.__name__.startswith("HiredisPacking")
+        key = f"pack-{time.monotonic_ns()}"
+        await client.hset(key, mapping={"f": 1.5, "n": 7, "s": "é", "b": b"\x00\xff"})
+        assert await client.hgetall(key) == {
+            b"f": b"1.5",
+            b"n": b"7",
+            b"s": "é".encode(),
+            b"b": b"\x00\xff",
+        }
+        await client.execute_command("CLIENT SETNAME", "packed")  # a name of two words
+        assert await client.client_getname() in ("packed", b"packed")
+        with pytest.raises(redis.DataError):
+            await client.set(key, {"not": "encodable"})
+        await client.delete(key)
+    finally:
+        await client.aclose()
