@@ -9,6 +9,13 @@ worker's own ITL (from its latency window) is reported beside it, so a worker th
 behind its grid is told apart from a slow relay. The wire format carries no timestamps, and
 needs none for this.
 
+Added ITL over the emission: the streams' echo worker also writes down when it handed out
+each token (`--echo-emissions`, the machine's monotonic clock, as the client's), so each
+token's delivery time (its arrival at the client less its emission) is known, and the gap
+between two chunks less the gap between their emissions is what the platform added to
+that ITL whether or not the worker kept its grid: the worker's publish, Redis, the API's
+relay and the client's read, and nothing of the worker's own lateness.
+
 The hold: from the moment the last stream was admitted to the moment the first one ended,
 every stream is open. Costs per token are taken between the first and the last sample
 inside it, so they are the relay's alone, without the admissions of the ramp.
@@ -64,6 +71,45 @@ def stream_errors(records: Iterable[StreamRecord], num_expected_tokens: int) -> 
         elif record.num_completion_tokens != num_expected_tokens:
             errors[f"usage: {record.num_completion_tokens} completion tokens"] += 1
     return errors
+
+
+def read_emissions(lines: Iterable[str]) -> dict[str, list[float]]:
+    """An emission log (`worker/echo_engine.EmissionLog`): each request's token times, in
+    order."""
+    emissions: dict[str, list[float]] = {}
+    for line in lines:
+        request_id, _, at_s = line.partition(" ")
+        if at_s:
+            emissions.setdefault(request_id, []).append(float(at_s))
+    return emissions
+
+
+def delivery_s(
+    records: Iterable[StreamRecord],
+    emissions: dict[str, list[float]],
+    within: tuple[float, float] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Per token of the good streams whose chunks match their emissions one for one: its
+    delivery time (arrival less emission), and per gap between two of them the ITL added
+    over the emission (the change in delivery time); `within`: the tokens that arrived in
+    that window (a gap: its later token)."""
+    low_s, high_s = within or (float("-inf"), float("inf"))
+    delivery, added = [], []
+    for record in records:
+        emitted = emissions.get(record.request_id)
+        if not record.is_ok or emitted is None or len(emitted) != len(record.token_times_s):
+            continue
+        latencies = [
+            (arrived, arrived - at_s)
+            for arrived, at_s in zip(record.token_times_s, emitted, strict=True)
+        ]
+        delivery += [latency for arrived, latency in latencies if low_s <= arrived <= high_s]
+        added += [
+            later - earlier
+            for (_, earlier), (arrived, later) in pairwise(latencies)
+            if low_s <= arrived <= high_s
+        ]
+    return delivery, added
 
 
 def added_itl_s(

@@ -72,6 +72,7 @@ class Platform:
     redis_port: int
     api_key: str
     prompt_token_ids: list[int]
+    emissions_path: Path  # the streams' echo worker's emission log
 
 
 def run(plan: LoadPlan, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -128,13 +129,18 @@ def platform(plan: LoadPlan) -> Iterator[Platform]:
         redis_server.start()
         api_key = prepare_database(settings, plan.source, (STREAMS_MODEL, BURST_MODEL), "load")
         api = stack.spawn("api", "api", "--port", str(api_port))
-        streams_args = _echo_args(
-            STREAMS_MODEL,
-            plan.tokens_per_s,
-            plan.step_ms,
-            plan.num_streams + NUM_WARMUP_REQUESTS,
-            _streams_budget(plan),
-        )
+        emissions_path = home / "emissions.txt"
+        streams_args = [
+            *_echo_args(
+                STREAMS_MODEL,
+                plan.tokens_per_s,
+                plan.step_ms,
+                plan.num_streams + NUM_WARMUP_REQUESTS,
+                _streams_budget(plan),
+            ),
+            "--echo-emissions",
+            str(emissions_path),
+        ]
         burst_args = _echo_args(
             BURST_MODEL,
             plan.burst_tokens_per_s,
@@ -158,6 +164,7 @@ def platform(plan: LoadPlan) -> Iterator[Platform]:
             redis_server.port,
             api_key,
             tokenizer.encode(PROMPT_TEXT, add_special_tokens=False),
+            emissions_path,
         )
         is_done = True
     finally:
@@ -253,7 +260,9 @@ def _streams_phase(started: Platform, plan: LoadPlan) -> dict[str, Any]:
     sampler_cpu_s = sse_load.cpu_s() - own_cpu_before_s
     with closing(redis.Redis.from_url(started.settings.redis_url)) as client:
         after = take_sample(processes, client)
-    report = _streams_report(plan, records, [baseline, *sampler.samples, after])
+    with started.emissions_path.open() as lines:
+        emissions = load_metrics.read_emissions(lines)
+    report = _streams_report(plan, records, [baseline, *sampler.samples, after], emissions)
     return report | {
         "client_cpu_s": client_cpu_s,
         "sampler_cpu_s": sampler_cpu_s,  # this process, sampling the others
@@ -261,8 +270,14 @@ def _streams_phase(started: Platform, plan: LoadPlan) -> dict[str, Any]:
     }
 
 
-def _streams_report(plan: LoadPlan, records: list[StreamRecord], samples: list[Sample]):
-    """`samples`: the baseline, those taken during the phase, one after it."""
+def _streams_report(
+    plan: LoadPlan,
+    records: list[StreamRecord],
+    samples: list[Sample],
+    emissions: dict[str, list[float]],
+):
+    """`samples`: the baseline, those taken during the phase, one after it; `emissions`: the
+    echo worker's token times by request (`load_metrics.read_emissions`)."""
     errors = load_metrics.stream_errors(records, plan.max_tokens)
     num_errors = sum(errors.values())
     baseline, after = samples[0], samples[-1]
@@ -279,7 +294,9 @@ def _streams_report(plan: LoadPlan, records: list[StreamRecord], samples: list[S
         **load_metrics.held_figures(baseline, *load_metrics.sample_when_held(samples, records)),
         "step_period_ms": period_s * 1e3,
         "added_itl_ms": load_metrics.ms(load_metrics.added_itl_s(records, period_s)),
-        "hold": _hold_report(records, samples, window, period_s),
+        **_over_emission(records, emissions, None),
+        "hold": _hold_report(records, samples, window, period_s)
+        | (_over_emission(records, emissions, window) if window else {}),
         # The whole phase: the ramp's admissions included.
         "phase": load_metrics.costs(baseline, after, num_tokens, "token"),
         "samples": [asdict(s) for s in samples],
@@ -305,6 +322,20 @@ def _hold_report(
         num_tokens = load_metrics.num_tokens_between(records, inside[0].at_s, inside[-1].at_s)
         report |= load_metrics.costs(inside[0], inside[-1], num_tokens, "token")
     return report
+
+
+def _over_emission(
+    records: list[StreamRecord],
+    emissions: dict[str, list[float]],
+    window: tuple[float, float] | None,
+) -> dict[str, Any]:
+    """Each token's delivery (arrival less emission) and the ITL added over the emission."""
+    delivery, added = load_metrics.delivery_s(records, emissions, window)
+    return {
+        "num_tokens_matched": len(delivery),
+        "delivery_ms": load_metrics.ms(delivery),
+        "added_itl_over_emission_ms": load_metrics.ms(added),
+    }
 
 
 def _admission_phase(started: Platform, plan: LoadPlan) -> dict[str, Any]:
@@ -451,6 +482,15 @@ def format_report(report: dict[str, Any]) -> str:
         f"all open p50 {value(hold.get('added_itl_ms', {}).get('p50'), '.1f')} "
         f"p99 {value(hold.get('added_itl_ms', {}).get('p99'), '.1f')} ms (the worker's own "
         f"ITL p50 {streams['worker_itl_ms']['p50']:.1f}, p99 {streams['worker_itl_ms']['p99']:.1f} ms)",
+        f"added ITL over the worker's emission: whole phase p50 "
+        f"{value(streams.get('added_itl_over_emission_ms', {}).get('p50'), '.1f')} p99 "
+        f"{value(streams.get('added_itl_over_emission_ms', {}).get('p99'), '.1f')} ms; all open p50 "
+        f"{value(hold.get('added_itl_over_emission_ms', {}).get('p50'), '.1f')} p99 "
+        f"{value(hold.get('added_itl_over_emission_ms', {}).get('p99'), '.1f')} ms; delivery "
+        f"(emission to client) all open p50 {value(hold.get('delivery_ms', {}).get('p50'), '.1f')} "
+        f"p99 {value(hold.get('delivery_ms', {}).get('p99'), '.1f')} ms; "
+        f"{value(streams.get('num_tokens_matched'), 'd')} of {streams['tokens_delivered']} "
+        "tokens matched",
         f"per token while all were open: API {value(hold.get('api_cpu_per_token_us'), '.1f')} us, "
         f"worker {value(hold.get('worker_cpu_per_token_us'), '.1f')} us, Redis "
         f"{value(hold.get('redis_cpu_per_token_us'), '.1f')} us CPU, "

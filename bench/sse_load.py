@@ -84,6 +84,7 @@ class StreamRecord:
     token_times_s: list[float] = field(default_factory=list)  # each content chunk's arrival
     num_completion_tokens: int = -1  # from the usage chunk; -1: none came
     error: str | None = None
+    request_id: str = ""  # its `X-Request-Id`
 
     @property
     def is_ok(self) -> bool:
@@ -180,8 +181,11 @@ class SSEStream(asyncio.Protocol):
             self._status = int(line.split(b" ", 2)[1])
         elif not self._is_body:
             name, _, value = line.partition(b":")
-            if name.lower() == b"content-length":
+            name = name.lower()
+            if name == b"content-length":
                 self._content_length = int(value)
+            elif name == b"x-request-id":
+                self._record.request_id = value.strip().decode()
             if line == b"":
                 self._is_body = True
                 if self._status == 200:

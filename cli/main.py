@@ -231,6 +231,13 @@ def worker(
             "sequences whose turn it is (default: one step a period, every sequence at once)."
         ),
     ] = DEFAULT_ENGINE.echo_step_ms,
+    echo_emissions: Annotated[
+        str | None,
+        typer.Option(
+            help="echo: append each token's request id and emission time (the monotonic "
+            "clock) to this file, for measuring what the platform adds after it."
+        ),
+    ] = DEFAULT_ENGINE.echo_emissions_path,
     cuda_graphs: Annotated[
         bool,
         typer.Option(
@@ -324,6 +331,7 @@ def worker(
         engine=engine_kind,
         echo_tokens_per_s=echo_tokens_per_s,
         echo_step_ms=echo_step_ms,
+        echo_emissions_path=echo_emissions,
     )
     if engine_kind not in ENGINE_KINDS:
         raise typer.BadParameter(f"one of {ENGINE_KINDS}", param_hint="--engine")

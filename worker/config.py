@@ -46,6 +46,9 @@ class EngineConfig:
     # echo: how often the worker hands out tokens, each step to the sequences whose turn it
     # is (None: once a period, every sequence at once, as a model step does)
     echo_step_ms: float | None = None
+    # echo: a file to which each handed-out token's request id and time (`perf_counter`,
+    # the machine's monotonic clock) are appended, for `llmfleet bench --platform-load`
+    echo_emissions_path: str | None = None
     # continuous batching on a GPU: decode-only steps replay CUDA graphs captured per batch
     # size and context (`worker/runner/decode_graphs.py`); ignored on the CPU
     cuda_graphs: bool = True

@@ -23,6 +23,11 @@ hides it. A step called late runs at once and keeps the grid, so the steps after
 one catch up and every sequence's tokens stay a period apart on average; one called more
 than a period late (the engine was idle, or fell that far behind) starts a new grid.
 
+With an emission log (`--echo-emissions PATH`), every token handed out is written down with
+its request id and the time it left the engine (`time.perf_counter`, CLOCK_MONOTONIC: one
+clock for every process of the machine), so a client on the same machine can tell what the
+platform added after the worker emitted it, whether or not the worker kept its grid.
+
 Why the real engine with a stand-in runner, not an engine of its own: a second engine would
 have its own notion of a step, of finishing and of admission, so what it measured would be
 a platform that does not exist. Here the only differences from a model worker are the time
@@ -36,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TextIO
 
 from worker.config import EngineConfig
 from worker.engine import ContinuousBatchingEngine, build_scheduler
@@ -101,17 +106,36 @@ class StepGrid:
         self._next_slot_s = slot_s + self.step_s
 
 
+@dataclass
+class EmissionLog:
+    """Lines `<request id> <perf_counter s>`, one per token handed out, flushed each step."""
+
+    file: TextIO
+
+    def emitted(self, outputs: list[SequenceOutput], at_s: float) -> None:
+        lines = [f"{o.request_id} {at_s:.6f}\n" for o in outputs if o.num_new_tokens]
+        if lines:
+            self.file.write("".join(lines))
+            self.file.flush()
+
+
 class EchoEngine(ContinuousBatchingEngine):
     """The continuous engine over an `EchoRunner`, its steps on a `StepGrid`, each scheduler
     step's outputs handed out in `num_slices` steps."""
 
     def __init__(
-        self, scheduler: Scheduler, runner: EchoRunner, grid: StepGrid, num_slices: int = 1
+        self,
+        scheduler: Scheduler,
+        runner: EchoRunner,
+        grid: StepGrid,
+        num_slices: int = 1,
+        emissions: EmissionLog | None = None,
     ) -> None:
         super().__init__(scheduler, runner)
         self.echo = runner
         self.grid = grid
         self.num_slices = num_slices
+        self.emissions = emissions
         self._slice_of: dict[str, int] = {}
         self._num_added = 0
         self._pending: deque[list[SequenceOutput]] = deque()  # the slices still to hand out
@@ -140,7 +164,10 @@ class EchoEngine(ContinuousBatchingEngine):
         self.grid.wait()
         if not self._pending:
             self._pending = deque(self._sliced(super().step()))
-        return self._pending.popleft()
+        outputs = self._pending.popleft()
+        if self.emissions is not None:
+            self.emissions.emitted(outputs, time.perf_counter())
+        return outputs
 
     def _sliced(self, outputs: list[SequenceOutput]) -> list[list[SequenceOutput]]:
         slices: list[list[SequenceOutput]] = [[] for _ in range(self.num_slices)]
@@ -170,7 +197,10 @@ def build_echo_engine(config: EngineConfig, vocab_size: int) -> EchoEngine:
     num_slices = max(1, round(period_s / step_s))
     grid = StepGrid(step_s=period_s / num_slices, reset_after_s=period_s)
     scheduler = build_scheduler(config, config.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS)
-    return EchoEngine(scheduler, EchoRunner(vocab_size), grid, num_slices)
+    emissions = None
+    if config.echo_emissions_path is not None:
+        emissions = EmissionLog(open(config.echo_emissions_path, "a"))  # noqa: SIM115  # for the process's life
+    return EchoEngine(scheduler, EchoRunner(vocab_size), grid, num_slices, emissions)
 
 
 def eos_token_ids(tokenizer: Tokenizer) -> frozenset[int]:

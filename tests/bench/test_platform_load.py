@@ -177,3 +177,23 @@ def test_the_report_reads_without_the_figures_a_short_run_lacks():
     text = format_report(report)
     assert "5 concurrent" in text and "n/a bytes per stream" in text
     assert "1.00 per stream" in text and "soft limit 1024" in text
+
+
+def test_delivery_and_added_itl_are_measured_from_each_tokens_emission():
+    # The worker emitted r1's second token 0.3 s late (its own lateness): the gap the
+    # client saw grew with it, but the platform added only 0.05 s to that ITL.
+    ok = record(0, 0.1, [1.01, 1.56, 2.12], 2.2)
+    ok.request_id = "r1"
+    short = record(0, 0.1, [1.0, 1.5], 1.6)  # a chunk fewer than its emissions: left out
+    short.request_id = "r2"
+    failed = record(0, 0.1, [1.0, 1.5], 1.6, error="closed before [DONE]")
+    failed.request_id = "r3"
+    emissions = load_metrics.read_emissions(
+        ["r1 1.0", "r1 1.5", "r1 2.1", "r2 1.0", "r2 1.5", "r2 2.0", "r3 0.9", "r3 1.4", ""]
+    )
+    assert emissions["r1"] == [1.0, 1.5, 2.1]
+    delivery, added = load_metrics.delivery_s([ok, short, failed], emissions)
+    assert delivery == pytest.approx([0.01, 0.06, 0.02])
+    assert added == pytest.approx([0.05, -0.04])
+    delivery, added = load_metrics.delivery_s([ok], emissions, within=(1.5, 2.0))
+    assert delivery == pytest.approx([0.06]) and added == pytest.approx([0.05])

@@ -204,3 +204,22 @@ def test_the_echo_worker_imports_no_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_the_emission_log_has_a_line_per_token_handed_out(tmp_path):
+    path = tmp_path / "emissions.txt"
+    engine = _engine(FakeClock(), echo_emissions_path=str(path))
+    _add(engine, 0, max_tokens=3)
+    _add(engine, 1, max_tokens=2)
+    outputs = _run(engine)
+    lines = path.read_text().splitlines()
+    by_request: dict[str, list[float]] = {}
+    for line in lines:
+        request_id, at_s = line.split(" ")
+        by_request.setdefault(request_id, []).append(float(at_s))
+    assert (
+        {rid: len(times) for rid, times in by_request.items()}
+        == {rid: sum(o.num_new_tokens for o in outs) for rid, outs in outputs.items()}
+        == {"r0": 3, "r1": 2}
+    )
+    assert all(times == sorted(times) for times in by_request.values())
