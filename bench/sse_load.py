@@ -28,6 +28,7 @@ costs is known next to what the platform costs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import resource
 import sys
@@ -283,7 +284,7 @@ async def _run_lanes(config: LoadConfig, request: bytes) -> list[StreamRecord]:
                 async with asyncio.timeout(config.timeout_s):
                     if stream is None or stream.is_lost:
                         _, stream = await loop.create_connection(
-                            lambda d=done, r=record: SSEStream(r, d, keep_alive=True),
+                            functools.partial(SSEStream, record, done, keep_alive=True),
                             config.host,
                             config.port,
                         )
@@ -297,17 +298,19 @@ async def _run_lanes(config: LoadConfig, request: bytes) -> list[StreamRecord]:
                         stream = None  # closed by itself
             except TimeoutError:
                 record.error, record.end_s = record.error or "timeout", time.perf_counter()
-                stream = _dropped(stream)
+                _close(stream)
+                stream = None
             except OSError as exc:  # connect, or the kept connection closed
                 if not record.end_s:
                     record.error, record.end_s = f"connect: {exc}", time.perf_counter()
-                stream = _dropped(stream)
+                _close(stream)
+                stream = None
 
     await asyncio.gather(*(lane() for _ in range(num_lanes)))
     return records
 
 
-def _dropped(stream: SSEStream | None) -> None:
+def _close(stream: SSEStream | None) -> None:
     if stream is not None:
         stream.close()
 

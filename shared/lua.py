@@ -28,7 +28,7 @@ class LuaScript:
         self, redis: aioredis.Redis, keys: Sequence[Any], args: Sequence[Any] = ()
     ) -> Any:
         try:
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+            return await redis.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            await redis.script_load(self.source)
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
+            await redis.execute_command("SCRIPT LOAD", self.source)
+            return await redis.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)

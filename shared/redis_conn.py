@@ -20,7 +20,6 @@ which redis-py raises as a plain `ResponseError`; the clients here parse it as t
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -69,10 +68,14 @@ def _parser_class(default: Any) -> Any:
 _ASYNC_PARSER = _parser_class(aio_connection.DefaultParser)
 
 
-@functools.cache
+_HIREDIS_PACKING: dict[type, type] = {}
+
+
 def _hiredis_packing(connection_class: type) -> type:
     """`connection_class` (plain, TLS or Unix socket, as the URL said) packing its commands
     with `hiredis.pack_command`, as redis-py's `HiredisRespSerializer` does."""
+    if (packing := _HIREDIS_PACKING.get(connection_class)) is not None:
+        return packing
 
     def pack_command(self: Any, *args: Any) -> list[bytes]:
         # A command name with a space in it ("CLIENT SETNAME") is sent as two arguments.
@@ -85,9 +88,11 @@ def _hiredis_packing(connection_class: type) -> type:
         except TypeError as exc:
             raise DataError(str(exc)) from exc
 
-    return type(f"HiredisPacking{connection_class.__name__}", (connection_class,), {
+    packing = type(f"HiredisPacking{connection_class.__name__}", (connection_class,), {
         "pack_command": pack_command,
     })  # fmt: skip
+    _HIREDIS_PACKING[connection_class] = packing
+    return packing
 
 
 _SYNC_PARSER = _parser_class(redis.connection.DefaultParser)

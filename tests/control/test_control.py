@@ -92,14 +92,16 @@ async def test_a_usage_job_whose_reply_was_lost_is_enqueued_once_by_the_retry(
     tenant_id, _key = make_tenant("control-lost")
     event = make_event(tenant_id, deployment_id)
     job_id = usage_jobs.usage_job_id(event.request_id)
-    evalsha = aredis.evalsha
+    execute = aredis.execute_command
 
-    async def reply_lost(*args):
-        await evalsha(*args)
-        raise RedisConnectionError("Connection closed by server.")
+    async def reply_lost(*args, **options):
+        reply = await execute(*args, **options)
+        if args[0] == "EVALSHA":
+            raise RedisConnectionError("Connection closed by server.")
+        return reply
 
     with monkeypatch.context() as patch:
-        patch.setattr(aredis, "evalsha", reply_lost)
+        patch.setattr(aredis, "execute_command", reply_lost)
         with pytest.raises(RedisConnectionError):
             await usage_jobs.enqueue_usage(aredis, event, QUEUE)
     assert await aredis.zscore(QUEUE, job_id) is not None
