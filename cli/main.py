@@ -120,6 +120,7 @@ def api(
         workers=workers,
         log_config=logs.logging_config(settings.log_level, settings.log_format),
         log_level=settings.log_level.lower(),
+        access_log=settings.access_log,
         # uvicorn sees SIGTERM only once the app has drained its streams (within
         # LLMFLEET_SHUTDOWN_GRACE_S, then each ended with `api_shutdown`: `api/shutdown.py`),
         # so no stream is left for it to cut; this bounds what still writes then (a stream

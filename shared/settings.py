@@ -200,6 +200,9 @@ class Settings(BaseSettings):
 
     log_level: str = "INFO"
     log_format: str = "json"  # "json" (one object per line) | "text"
+    # uvicorn's access line, one per request: about 9% of the API's CPU per request under an
+    # admission burst (docs/benchmarks.md, session 17); off where a load balancer logs access
+    access_log: bool = True
 
     @property
     def home(self) -> Path:
