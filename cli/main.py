@@ -376,11 +376,10 @@ def worker(
             loop.add_signal_handler(sig, service.stop)
         await service.run()
 
-    # uvloop, as uvicorn runs the API: the worker's loop is mostly Redis I/O and wake-ups
-    # (its publishes, ends and acknowledgements), which uvloop runs at a fraction of the cost.
-    import uvloop
-
-    uvloop.run(main())
+    # Not uvloop: its transports raise RuntimeError on a write after the connection was reset,
+    # which redis-py does not take for a connection error; a worker whose Redis connections
+    # were cut crashed so (chaos scenario worker_connections_cut).
+    asyncio.run(main())
 
 
 def _deployment_to_serve(engine, model: str, version: str | None):
