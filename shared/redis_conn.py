@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import hiredis
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.connection as aio_connection
@@ -33,7 +32,8 @@ import redis.connection
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import DataError, OutOfMemoryError, ResponseError
+from redis.connection import HiredisRespSerializer
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.retry import Retry
 
 from shared.auto_pipeline import AutoPipelinedRedis
@@ -69,6 +69,7 @@ _ASYNC_PARSER = _parser_class(aio_connection.DefaultParser)
 
 
 _HIREDIS_PACKING: dict[type, type] = {}
+_HIREDIS_SERIALIZER = HiredisRespSerializer()  # redis-py's own, stateless
 
 
 def _hiredis_packing(connection_class: type) -> type:
@@ -78,15 +79,7 @@ def _hiredis_packing(connection_class: type) -> type:
         return packing
 
     def pack_command(self: Any, *args: Any) -> list[bytes]:
-        # A command name with a space in it ("CLIENT SETNAME") is sent as two arguments.
-        if isinstance(args[0], str):
-            args = (*args[0].encode().split(), *args[1:])
-        elif b" " in args[0]:
-            args = (*args[0].split(), *args[1:])
-        try:
-            return [hiredis.pack_command(args)]
-        except TypeError as exc:
-            raise DataError(str(exc)) from exc
+        return _HIREDIS_SERIALIZER.pack(*args)
 
     packing = type(f"HiredisPacking{connection_class.__name__}", (connection_class,), {
         "pack_command": pack_command,
