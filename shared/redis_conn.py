@@ -74,15 +74,30 @@ _HIREDIS_SERIALIZER = HiredisRespSerializer()  # redis-py's own, stateless
 
 def _hiredis_packing(connection_class: type) -> type:
     """`connection_class` (plain, TLS or Unix socket, as the URL said) packing its commands
-    with `hiredis.pack_command`, as redis-py's `HiredisRespSerializer` does."""
+    with `hiredis.pack_command`, as redis-py's `HiredisRespSerializer` does, and taking a
+    write on a transport that is already closed for the broken connection it is.
+
+    Under uvloop (the API's loop under uvicorn) a write on a transport that a reset closed
+    raises `RuntimeError` ("the handler is closed"), where asyncio's own loop drops the
+    write and its drain raises `ConnectionResetError`. redis-py retries only connection and
+    timeout errors, so the `RuntimeError` failed the call, or escaped from a reconnect's
+    handshake, where a caller's retry (`retrying`) expects a connection error. It is raised
+    as one here; redis-py has already closed the connection."""
     if (packing := _HIREDIS_PACKING.get(connection_class)) is not None:
         return packing
 
     def pack_command(self: Any, *args: Any) -> list[bytes]:
         return _HIREDIS_SERIALIZER.pack(*args)
 
+    async def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
+        try:
+            await connection_class.send_packed_command(self, command, check_health)
+        except RuntimeError as exc:
+            raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
+
     packing = type(f"HiredisPacking{connection_class.__name__}", (connection_class,), {
         "pack_command": pack_command,
+        "send_packed_command": send_packed_command,
     })  # fmt: skip
     _HIREDIS_PACKING[connection_class] = packing
     return packing

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 import redis
+import uvloop
 
 from shared import redis_conn
 
@@ -63,3 +65,26 @@ async def test_commands_packed_by_hiredis_reach_redis_as_redis_py_packs_them(
         await client.delete(key)
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_write_on_a_connection_a_reset_closed_is_a_connection_error(redis_server, loop):
+    """Under uvloop, writing on a transport that is closed raises RuntimeError; redis-py
+    retries only connection errors, so a client must see one, on either loop."""
+
+    async def scenario() -> None:
+        client = redis_conn.async_client(redis_server.url, retries=0)
+        pool = client.connection_pool
+        try:
+            connection = await pool.get_connection()
+            connection._writer.transport.abort()  # what a reset does to it
+            await asyncio.sleep(0.01)
+            with pytest.raises(redis.ConnectionError):
+                await connection.send_command("PING")
+            assert not connection.is_connected
+            await pool.release(connection)
+            assert await client.ping()  # on a new connection
+        finally:
+            await client.aclose()
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(scenario())
