@@ -29,7 +29,7 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.connection as aio_connection
 import redis.connection
-from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio.connection import AbstractConnection, BlockingConnectionPool
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.connection import HiredisRespSerializer
@@ -68,11 +68,11 @@ def _parser_class(default: Any) -> Any:
 _ASYNC_PARSER = _parser_class(aio_connection.DefaultParser)
 
 
-_HIREDIS_PACKING: dict[type, type] = {}
+_HIREDIS_PACKING: dict[type[AbstractConnection], type] = {}
 _HIREDIS_SERIALIZER = HiredisRespSerializer()  # redis-py's own, stateless
 
 
-def _hiredis_packing(connection_class: type) -> type:
+def _hiredis_packing(connection_class: type[AbstractConnection]) -> type:
     """`connection_class` (plain, TLS or Unix socket, as the URL said) packing its commands
     with `hiredis.pack_command`, as redis-py's `HiredisRespSerializer` does, and taking a
     write on a transport that is already closed for the broken connection it is.
