@@ -9,7 +9,7 @@ import uuid
 import httpx
 
 from shared import keys
-from shared.protocol import ErrorEvent, decode_event
+from shared.protocol import ErrorEvent, FinalEvent, TokenEvent, decode_event, encode_cancel
 from tests.conftest import TINY_KV_CAPACITY_TOKENS
 from tests.factories import make_request
 from tests.helpers import auth, stream, wait_for_usage_record
@@ -110,3 +110,34 @@ def test_worker_refuses_what_its_kv_cache_can_never_hold(tiny_worker, tiny_deplo
         raise AssertionError("no event")
     pubsub.close()
     assert isinstance(event, ErrorEvent) and event.code == "kv_cache_capacity"
+
+
+def test_a_request_cancelled_while_queued_ends_cancelled_when_pulled(
+    tiny_worker, tiny_deployment, rdb
+):
+    """Its client left before any worker pulled it: the worker remembers the cancel and
+    ends the request when it pulls it, before computing a token of it."""
+    request = make_request(0, list(range(1000, 1010)), 200, ignore_eos=True)
+    request = request.model_copy(
+        update={"request_id": f"cmpl-{uuid.uuid4().hex}", "model": tiny_deployment.model_id}
+    )
+    pubsub = rdb.pubsub()
+    pubsub.subscribe(keys.request_channel(request.request_id))
+    pubsub.get_message(timeout=5)
+    rdb.publish(keys.cancel_channel(tiny_deployment.model_id), encode_cancel(request.request_id))
+    time.sleep(1.0)  # the worker has heard it, with nothing of the request in flight
+    rdb.sadd(keys.model_tenants(request.deployment_name), request.tenant_id)
+    rdb.xadd(keys.tenant_stream(request.deployment_name, request.tenant_id), request.to_fields())
+    events = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=1)
+        if message and message["type"] == "message":
+            events.append(decode_event(message["data"]))
+            if not isinstance(events[-1], TokenEvent):
+                break
+    pubsub.close()
+    assert events, "no event"
+    assert [type(e) for e in events] == [FinalEvent], events
+    assert events[0].finish_reason == "cancelled"
+    assert events[0].usage.completion_tokens == 0

@@ -142,3 +142,16 @@ def test_an_activation_from_standby_is_observed():
     r = telemetry.metrics.registry
     assert _value(r, "llmfleet_worker_activation_seconds_count", model=MODEL) == 1
     assert _value(r, "llmfleet_worker_activation_seconds_sum", model=MODEL) == 0.3
+
+
+def test_a_step_takes_the_kv_caches_waste_only_when_asked(tiny_loaded):
+    """The waste is a pass over every running sequence: the worker asks for it once a
+    second (`worker/service.py` `KV_WASTE_INTERVAL_S`), not on every step."""
+    engine = _small_engine(tiny_loaded, num_blocks=12)
+    telemetry = Telemetry(MODEL, engine.stats().max_num_seqs)
+    assert _add(engine, telemetry, make_request(0, list(range(3, 13)), 8))  # 10 tokens, 3 blocks
+    asked = timed_step(engine)
+    assert asked.stats.kv_cache_waste is not None and 0 < asked.stats.kv_cache_waste < 1
+    not_asked = timed_step(engine, with_kv_waste=False)
+    assert not_asked.stats.kv_cache_waste is None
+    assert not_asked.stats.kv_cache_usage > 0  # the rest of the stats as ever
