@@ -12,7 +12,9 @@ and then the registered attention function, which attends per sequence:
   on the CPU, torch 2.13's SDPA kernel takes 3.1 ms for one layer of 32 single-token
   queries over 272 keys where these ops take 0.24 ms (it was 70% of a batch-32 step;
   docs/benchmarks.md). Scores and probabilities are computed in the model's dtype and the
-  softmax in fp32: within one bf16 rounding step of SDPA;
+  softmax in fp32: within one bf16 rounding step of SDPA. On the CPU, a kernel of ours takes
+  the decodes instead wherever it could be built (`cpu_attention.py`): it follows the block
+  tables itself and reads each key and value once, where this path copies them first;
 - each prefill chunk in its own SDPA call, causal with the chunk's offset.
 
 The pool is laid out by KV head, then block ([layers, kv_heads, blocks, block_size,
@@ -32,6 +34,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from worker.runner import cpu_attention
+
 ATTENTION_NAME = "llmfleet_paged"
 STEP_KWARG = "llmfleet_step"
 
@@ -44,6 +48,10 @@ class DecodeGroup:
     query_end: int
     pool_rows: torch.Tensor  # `pool_rows` of the block tables padded to the group's longest
     bias: torch.Tensor  # [rows, 1, max_blocks * block_size] fp32: 0 for real keys, else -inf
+    # On the CPU, for its kernel (`cpu_attention.py`): the padded block tables and the keys
+    # each row attends to, int32.
+    tables: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -92,9 +100,16 @@ def attend(q, key_pool, value_pool, step: StepMetadata, scaling=None) -> torch.T
     """q: [heads, num_tokens, head_dim] over one layer's pool; returns [num_tokens, heads,
     head_dim]."""
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+    use_kernel = bool(step.decode_groups) and cpu_attention.supports(q, key_pool)
     for group in step.decode_groups:
         rows = slice(group.query_start, group.query_end)
-        out[rows] = _decode(q[:, rows], key_pool, value_pool, group, scaling)
+        if use_kernel and group.tables is not None and group.lengths is not None:
+            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+            out[rows] = cpu_attention.paged_decode(
+                q[:, rows].transpose(0, 1), key_pool, value_pool, group.tables, group.lengths, scale
+            )
+        else:
+            out[rows] = _decode(q[:, rows], key_pool, value_pool, group, scaling)
     for span in step.prefills:
         out[span.query_start : span.query_end] = _prefill(q, key_pool, value_pool, span, scaling)
     return out
@@ -123,7 +138,11 @@ def decode_group(
         is_padding, float("-inf")
     )
     rows = pool_rows(tables.flatten(), num_kv_heads, num_blocks)
-    return DecodeGroup(query_start, query_start + tables.shape[0], rows, bias)
+    group = DecodeGroup(query_start, query_start + tables.shape[0], rows, bias)
+    if tables.device.type == "cpu":
+        group.tables = tables.to(torch.int32).contiguous()
+        group.lengths = lengths.to(torch.int32).contiguous()
+    return group
 
 
 def _gather(pool: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""The CPU decode-attention kernel (worker/runner/cpu_attention.py) against the torch path it
+stands in for, and the torch path taking over wherever the kernel cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.runner import cpu_attention, paged_attention
+from worker.runner.paged_attention import StepMetadata, attend, decode_group
+
+needs_kernel = pytest.mark.skipif(
+    cpu_attention.load() is None, reason="no C compiler here: the kernel cannot be built"
+)
+
+
+def _case(dtype, *, heads, kv_heads, head_dim, block_size, lengths, num_blocks=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (1, kv_heads, num_blocks, block_size, head_dim)
+    k_pool = torch.randn(shape, generator=generator).to(dtype)
+    v_pool = torch.randn(shape, generator=generator).to(dtype)
+    lengths = torch.tensor(lengths)
+    max_blocks = -(-int(lengths.max()) // block_size)
+    tables = torch.stack(
+        [torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in lengths]
+    )
+    q = torch.randn(heads, len(lengths), head_dim, generator=generator).to(dtype)
+    return q, k_pool, v_pool, decode_group(0, tables, lengths, k_pool)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 48, 5)],
+)
+def test_the_kernel_attends_as_the_torch_path_does(dtype, heads, kv_heads, head_dim, block_size):
+    # Rows of one key, a partial last block, whole blocks, and one much longer than the rest.
+    lengths = [1, block_size - 1, 3 * block_size, 7 * block_size + 2, 40]
+    q, k_pool, v_pool, group = _case(
+        dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        lengths=lengths,
+    )  # fmt: skip
+    expected = paged_attention._decode(q, k_pool[0], v_pool[0], group, None)
+    assert cpu_attention.supports(q, k_pool[0])
+    got = cpu_attention.paged_decode(
+        q.transpose(0, 1), k_pool[0], v_pool[0], group.tables, group.lengths, head_dim**-0.5
+    )
+    assert got.shape == expected.shape and got.dtype == dtype
+    # fp32: the same sums in another order; bf16: the torch path rounds its scores and
+    # weights to bf16 where the kernel keeps fp32, so they differ by a rounding step or two
+    # of the outputs (which are at most a few units).
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-5
+    assert (got.float() - expected.float()).abs().max().item() <= tolerance
+
+
+@needs_kernel
+def test_a_step_uses_the_kernel_for_decodes_and_the_result_does_not_move(monkeypatch):
+    q, k_pool, v_pool, group = _case(
+        torch.float32, heads=9, kv_heads=3, head_dim=64, block_size=16, lengths=[5, 70, 33]
+    )
+    step = StepMetadata(torch.zeros(0, dtype=torch.long), [group], [])
+    calls = []
+    kernel = cpu_attention.paged_decode
+    monkeypatch.setattr(
+        cpu_attention, "paged_decode", lambda *a: calls.append(1) or kernel(*a)
+    )  # fmt: skip
+    with_kernel = attend(q, k_pool[0], v_pool[0], step)
+    assert calls  # the kernel took the decodes
+    monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    without = attend(q, k_pool[0], v_pool[0], step)
+    assert len(calls) == 1
+    assert torch.allclose(with_kernel, without, atol=1e-5)
+
+
+def test_shapes_the_kernel_does_not_have_take_the_torch_path():
+    q, k_pool, _, _ = _case(
+        torch.float32, heads=4, kv_heads=2, head_dim=20, block_size=4, lengths=[3]
+    )
+    assert not cpu_attention.supports(q, k_pool[0])  # a head dimension not a multiple of 16
+    assert not cpu_attention.supports(q.to(torch.float16), k_pool[0].to(torch.float16))
+
+
+def test_without_a_compiler_or_when_turned_off_the_torch_path_runs(monkeypatch, tmp_path):
+    q, k_pool, v_pool, group = _case(
+        torch.float32, heads=9, kv_heads=3, head_dim=64, block_size=16, lengths=[5, 20]
+    )
+    step = StepMetadata(torch.zeros(0, dtype=torch.long), [group], [])
+    expected = paged_attention._decode(q, k_pool[0], v_pool[0], group, None)
+    monkeypatch.setenv("LLMFLEET_KERNEL_CACHE", str(tmp_path))  # nothing built there yet
+    for env in ({"CC": str(tmp_path / "no-such-compiler")}, {"LLMFLEET_CPU_ATTENTION_KERNEL": "0"}):
+        cpu_attention.load.cache_clear()
+        try:
+            with monkeypatch.context() as patch:
+                for name, value in env.items():
+                    patch.setenv(name, value)
+                assert cpu_attention.load() is None
+                assert not cpu_attention.supports(q, k_pool[0])
+                assert torch.equal(attend(q, k_pool[0], v_pool[0], step), expected)
+        finally:
+            cpu_attention.load.cache_clear()
+
+
+@needs_kernel
+def test_loading_the_kernel_leaves_the_process_float_modes_alone():
+    """A library built with -ffast-math would turn on flush-to-zero for the whole process
+    when loaded: a denormal such as the temperature 5e-324 would then read as 0."""
+    assert cpu_attention.load() is not None
+    tiny = float("5e-324")
+    assert tiny * 1.0 > 0
+    assert torch.tensor([tiny], dtype=torch.float64).mul(1.0).item() > 0
