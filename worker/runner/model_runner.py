@@ -18,7 +18,7 @@ import numpy
 import torch
 
 from shared.protocol import SamplingParams
-from worker.runner import sampler
+from worker.runner import cpu_attention, sampler
 from worker.runner.decode_graphs import DecodeGraphs, DecodeInputs, GraphBuckets
 from worker.runner.llama import LlamaForward
 from worker.runner.loader import LoadedModel
@@ -153,6 +153,8 @@ class ModelRunner:
         # The decode graphs' padding rows write to a block of their own, past the KV
         # manager's `num_blocks`, so no sequence's keys are ever overwritten.
         self._k_pool, self._v_pool = self._make_pools(num_blocks + int(use_graphs))
+        if self._device.type == "cpu":
+            cpu_attention.load()  # built (once per machine) now, not in a request's first step
         self._graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a GPU's decode graphs failed to capture
         if use_graphs:
