@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from worker.runner.loader import cpu_flags
+
 log = logging.getLogger("llmfleet.worker")
 
 MAX_HEAD_DIM = 256
@@ -214,16 +216,9 @@ def _cache_dir() -> Path:
     return Path.home() / ".cache" / "llmfleet" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith("flags")), "")
-
-
 def _build(compiler: str) -> Path:
-    key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, _cpu_flags()]).encode()).hexdigest()
+    cpu = " ".join(sorted(cpu_flags()))  # -march=native: built for this CPU
+    key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, cpu]).encode()).hexdigest()
     library = _cache_dir() / f"paged_decode-{key[:16]}.so"
     if library.exists():
         return library

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +48,18 @@ def pick_device(requested: str = "auto", dtype: str = "auto") -> tuple[torch.dev
 def _cpu_has_bf16_matmul() -> bool:
     """AMX or AVX512-BF16: there bf16 batched steps measured 1.7-2x faster than fp32
     (docs/benchmarks.md); elsewhere bf16 is emulated and slower, so fp32 stays."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`/proc/cpuinfo`); none where it cannot be read."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return frozenset()
+    line = next((line for line in lines if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def load(source: ModelSource, device: str = "auto", dtype: str = "auto") -> LoadedModel:
