@@ -1,5 +1,5 @@
-"""The CPU decode-attention kernel (worker/runner/cpu_attention.py) against the torch path it
-stands in for, and the torch path taking over wherever the kernel cannot run."""
+"""The CPU attention kernels (worker/runner/cpu_attention.py), decode and prompt, against the
+torch paths they stand in for, and the torch paths taking over wherever a kernel cannot run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from worker.runner import cpu_attention, paged_attention
-from worker.runner.paged_attention import StepMetadata, attend, decode_group
+from worker.runner.paged_attention import PrefillSpan, StepMetadata, attend, decode_group, pool_rows
 
 needs_kernel = pytest.mark.skipif(
     cpu_attention.load() is None, reason="no C compiler here: the kernel cannot be built"
@@ -99,6 +99,94 @@ def test_without_a_compiler_or_when_turned_off_the_torch_path_runs(monkeypatch, 
                 assert torch.equal(attend(q, k_pool[0], v_pool[0], step), expected)
         finally:
             cpu_attention.load.cache_clear()
+
+
+def _prefill_case(*, heads, kv_heads, head_dim, block_size, start, tokens, num_blocks=64, seed=0):
+    """One sequence's chunk of `tokens` at `start`, its block table a shuffle of the pool."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (1, kv_heads, num_blocks, block_size, head_dim)
+    k_pool = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    v_pool = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    end = start + tokens
+    blocks = torch.randperm(num_blocks, generator=generator)[: -(-end // block_size)]
+    q = torch.randn(heads, tokens, head_dim, generator=generator).to(torch.bfloat16)
+    mask = None
+    if start:  # as the runner's `_chunk_mask`
+        mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None])[None, None]
+    rows = pool_rows(blocks, kv_heads, num_blocks)
+    span = PrefillSpan(0, tokens, rows, end, mask, blocks.to(torch.int32))
+    return q, k_pool, v_pool, span
+
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not cpu_attention.supports_prefill(
+        torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)
+    ),
+    reason="the prompt kernel needs a CPU with AVX512-BF16 and a C compiler",
+)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 96, 5)],
+)
+@pytest.mark.parametrize(
+    ("start", "tokens"),
+    # one token; a chunk within a tile; one over a tile's edge after a partial block; a
+    # whole prompt over many tiles; a later chunk over earlier keys
+    [(0, 1), (0, 7), (3, 17), (0, 130), (150, 40)],
+)
+def test_the_prompt_kernel_attends_as_sdpa_does(
+    heads, kv_heads, head_dim, block_size, start, tokens
+):
+    q, k_pool, v_pool, span = _prefill_case(
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        start=start, tokens=tokens,
+    )  # fmt: skip
+    expected = paged_attention._prefill(q, k_pool[0], v_pool[0], span, None)
+    exact = paged_attention._prefill(q.float(), k_pool[0].float(), v_pool[0].float(), span, None)
+    got = cpu_attention.paged_prefill(
+        q.transpose(0, 1), k_pool[0], v_pool[0], span.table, start, head_dim**-0.5
+    )
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    # Both round the weights to bf16 before the values: within a rounding step or two of
+    # outputs of at most a few units, of each other and of the same sums in fp32.
+    assert (got.float() - expected.float()).abs().max().item() <= 2**-5
+    assert (got.float() - exact).abs().max().item() <= 2**-5
+    # causal: a query's output does not depend on the keys after it
+    later = span.num_context - 1
+    k_moved, v_moved = k_pool.clone(), v_pool.clone()
+    block, offset = span.table[later // block_size].item(), later % block_size
+    k_moved[0, :, block, offset] += 10
+    v_moved[0, :, block, offset] += 10
+    moved = cpu_attention.paged_prefill(
+        q.transpose(0, 1), k_moved[0], v_moved[0], span.table, start, head_dim**-0.5
+    )
+    assert torch.equal(moved[:-1], got[:-1])
+    assert not torch.equal(moved[-1], got[-1])
+
+
+@needs_prefill_kernel
+def test_a_step_uses_the_prompt_kernel_only_for_bf16_chunks_with_a_table(monkeypatch):
+    q, k_pool, v_pool, span = _prefill_case(
+        heads=9, kv_heads=3, head_dim=64, block_size=16, start=20, tokens=30
+    )
+    calls = []
+    kernel = cpu_attention.paged_prefill
+    monkeypatch.setattr(
+        cpu_attention, "paged_prefill", lambda *a: calls.append(1) or kernel(*a)
+    )  # fmt: skip
+    step = StepMetadata(torch.zeros(0, dtype=torch.long), [], [span])
+    with_kernel = attend(q, k_pool[0], v_pool[0], step)
+    assert len(calls) == 1
+    expected = paged_attention._prefill(q, k_pool[0], v_pool[0], span, None)
+    assert (with_kernel.float() - expected.float()).abs().max().item() <= 2**-5
+    # fp32, or a chunk without a table (a GPU's), takes SDPA
+    attend(q.float(), k_pool[0].float(), v_pool[0].float(), step)
+    span.table = None
+    assert torch.equal(attend(q, k_pool[0], v_pool[0], step), expected)
+    assert len(calls) == 1
 
 
 @needs_kernel

@@ -1,30 +1,39 @@
-"""Decode attention over the paged KV cache on the CPU: a small C kernel that follows the
-block tables and reads each key and value once.
+"""Attention over the paged KV cache on the CPU: small C kernels that follow the block tables.
 
-The torch path (`paged_attention._decode`) gathers every decode's blocks out of the pool
-into a contiguous copy, layer by layer, and two batched matmuls then read that copy: three
-passes over the bytes, in many small ops. On this CPU a decode step's attention was 44% of
-the worker's CPU on the 64-request workload (docs/benchmarks.md, session 18). For each
+Decode: the torch path (`paged_attention._decode`) gathers every decode's blocks out of the
+pool into a contiguous copy, layer by layer, and two batched matmuls then read that copy:
+three passes over the bytes, in many small ops. On this CPU a decode step's attention was 44%
+of the worker's CPU on the 64-request workload (docs/benchmarks.md, session 18). For each
 sequence and KV head this kernel computes the scores of the head's query group (fp32, one
 read of each key, a block's keys being contiguous in the pool), their softmax, and the
 weighted sum of the values (one read of each value). vLLM's CPU backend has its own C++
 paged attention for the same reason; no well-kept package offers one for torch's CPU build.
 
-It is C with GCC's vector extensions (16-lane vectors: one AVX-512 register or two AVX2
-ones), built once per machine by the system's C compiler into a cache directory
-(`LLMFLEET_KERNEL_CACHE`, else `~/.cache/llmfleet/kernels`; the file is named by a hash of
-the source, the flags and the CPU's feature flags, since it is built for the CPU it runs on),
-and called through ctypes on the tensors' memory: no Python or torch headers, a second to
-build. It runs on the calling thread only: torch's own threads spin between its ops, and a
-second thread of the kernel competed with them (167 output tokens a second against 196 on
-one thread, docs/benchmarks.md).
+Prompt chunks (`paged_prefill`), on CPUs with AVX512-BF16 dot products and bf16 models:
+torch 2.13's CPU SDPA runs at 20-90 GFLOP/s on a chunk's shapes, a quarter of a 384-token
+step. The kernel packs the sequence's keys and values out of the pool into the layout of the
+bf16 dot-product instruction, then computes 16 query positions at a time (scores, causal
+softmax in fp32, weights times values), 2-3x faster than SDPA on this machine. Elsewhere
+(no AVX512-BF16, fp32 models, a GPU) chunks take SDPA.
+
+Both are C (GCC's vector extensions and, for the prompt kernel, AVX-512 intrinsics), built
+once per machine by the system's C compiler into a cache directory (`LLMFLEET_KERNEL_CACHE`,
+else `~/.cache/llmfleet/kernels`; the file is named by a hash of the source, the flags and the
+CPU's feature flags, since it is built for the CPU it runs on), and called through ctypes on
+the tensors' memory: no Python or torch headers, a few seconds to build. Their work is shared
+out with OpenMP over torch's own threads: built with `-fopenmp`, the library links the
+`libgomp.so.1` torch has already loaded (the dynamic linker reuses a loaded library of the
+same name), so there is one pool of threads, torch's. A pool of the kernel's own competed with
+torch's spinning threads (an earlier draft on two pthreads of its own: 167 output tokens a
+second against 196 on one thread, docs/benchmarks.md). Without OpenMP the pragmas are ignored
+and the kernels run on the calling thread.
 
 Where no compiler is found, the build fails, `LLMFLEET_CPU_ATTENTION_KERNEL=0` is set, or
-the shapes are not the kernel's (a head dimension not a multiple of 16, or over 256), the
-torch path runs. The two agree within a rounding step of the model's dtype: the kernel keeps
-scores, weights and sums in fp32 where the torch path rounds scores and weights to bf16.
+the shapes are not the kernels' (a head dimension not a multiple of 16, or 32 for prompts,
+or over 256), the torch paths run. Decode: the two agree within a rounding step of the
+model's dtype (the kernel keeps scores, weights and sums in fp32 where the torch path rounds
+scores and weights to bf16). Prompts: both round the weights to bf16 before the values.
 """
-
 from __future__ import annotations
 
 import ctypes
@@ -121,13 +130,22 @@ static inline __attribute__((always_inline)) int attend(const Step *s, const int
                                                         const int BF16) {
     const int group = s->heads / s->kv_heads, dim = s->dim, bs = s->block_size;
     const int max_len = s->max_blocks * bs > 0 ? s->max_blocks * bs : 1;
-    float *scores = malloc(sizeof(float) * group * max_len);
-    if (scores == NULL) return -1;
-    f16v q[MAX_GROUP][MAX_DIMV], acc[MAX_GROUP][MAX_DIMV];
-    for (int row = 0; row < s->rows; row++) {
-        const int len = s->lengths[row];
-        const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
-        for (int kvh = 0; kvh < s->kv_heads; kvh++) {
+    const int items = s->rows * s->kv_heads;
+    int status = 0;
+#pragma omp parallel if (items > 1)
+    {
+        float *scores = malloc(sizeof(float) * group * max_len);
+        if (scores == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+        f16v q[MAX_GROUP][MAX_DIMV], acc[MAX_GROUP][MAX_DIMV];
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; item++) {
+            if (scores == NULL) continue;
+            const int row = item / s->kv_heads, kvh = item % s->kv_heads;
+            const int len = s->lengths[row];
+            const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
             const int64_t q_at = ((int64_t)row * s->heads + (int64_t)kvh * group) * dim;
             for (int g = 0; g < group; g++)
                 for (int c = 0; c < DIMV; c++)
@@ -175,9 +193,9 @@ static inline __attribute__((always_inline)) int attend(const Step *s, const int
                 }
             }
         }
+        free(scores);
     }
-    free(scores);
-    return 0;
+    return status;
 }
 
 /* The common head dimensions get their own copy, with the vector count a constant. */
@@ -201,6 +219,216 @@ int paged_decode(const void *q, const void *k_pool, const void *v_pool,
     if (dim == 128) return is_bf16 ? attend_128_bf16(&s) : attend_128_f32(&s);
     return is_bf16 ? attend_any_bf16(&s) : attend_any_f32(&s);
 }
+
+/* ---- Prompt (prefill) attention: bf16 on CPUs with AVX512-BF16 dot products ---------------
+ * One sequence's chunk of `n` queries at positions start .. start + n - 1 over its keys
+ * 0 .. start + n - 1, causal. For each KV head, the keys and values are first packed out of
+ * the paged pool into the layouts the dot-product instruction reads (pairs of bf16 in 32-bit
+ * words: keys as [16-key block][dim pair][key], values as [key pair][dim]); then for each tile
+ * of 16 query positions (times the head's query group) three passes: the scores (exact
+ * products, fp32 sums), their causal softmax in fp32, and the weights (rounded to bf16, as
+ * torch's SDPA does for bf16) times the values, summed in fp32. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#define TILE 16   /* query positions per tile */
+#define ROWS_QK 8 /* query rows scored together: one key load serves them all */
+
+int prefill_available(void) { return 1; }
+
+typedef struct {
+    const uint16_t *q, *k_pool, *v_pool; /* [n, heads, dim]; [kv_heads, blocks, block_size, dim] */
+    const int32_t *table;                /* the sequence's block table */
+    uint16_t *out;                       /* [n, heads, dim] */
+    int n, start, heads, kv_heads, num_blocks, block_size, dim;
+    float scale;
+} Prefill;
+
+static inline const uint32_t *pool_row(const Prefill *s, const uint16_t *pool, int kvh, int pos) {
+    const int bs = s->block_size;
+    const int64_t block = (int64_t)kvh * s->num_blocks + s->table[pos / bs];
+    return (const uint32_t *)(pool + (block * bs + pos % bs) * s->dim);
+}
+
+static inline __m512 exp512_nonpositive(__m512 x) { /* as exp_nonpositive, 16 lanes */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950409f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471806f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void prefill_pack(const Prefill *s, int kvh, uint32_t *kp, uint32_t *vp) {
+    const int dim = s->dim, half = dim / 2;
+    const int keys = s->start + s->n, key_blocks = (keys + 15) / 16;
+    /* keys [block][pair][16 keys], values [key pair][dim], zero past the last key */
+    for (int key = 0; key < key_blocks * 16; key++) {
+        uint32_t *dst = kp + (int64_t)(key / 16) * half * 16 + key % 16;
+        if (key < keys) {
+            const uint32_t *src = pool_row(s, s->k_pool, kvh, key);
+            for (int p = 0; p < half; p++) dst[p * 16] = src[p];
+        } else {
+            for (int p = 0; p < half; p++) dst[p * 16] = 0;
+        }
+    }
+    for (int pair = 0; pair < key_blocks * 8; pair++) {
+        uint32_t *dst = vp + (int64_t)pair * dim;
+        const int key = 2 * pair;
+        const uint16_t *lo = key < keys ? (const uint16_t *)pool_row(s, s->v_pool, kvh, key) : 0;
+        const uint16_t *hi =
+            key + 1 < keys ? (const uint16_t *)pool_row(s, s->v_pool, kvh, key + 1) : 0;
+        for (int d = 0; d < dim; d++)
+            dst[d] = (lo ? lo[d] : 0u) | (uint32_t)(hi ? hi[d] : 0u) << 16;
+    }
+}
+
+/* One tile: queries i0 .. i0 + 15 of KV head kvh's query group, over the packed kp, vp. */
+static inline __attribute__((always_inline)) void prefill_tile(
+    const Prefill *s, int kvh, int i0, const int DIMV, const uint32_t *kp, const uint32_t *vp,
+    float *sc, uint32_t *pw, int stride) {
+    const int dim = DIMV * 16, half = DIMV * 8, group = s->heads / s->kv_heads;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int tn = s->n - i0 < TILE ? s->n - i0 : TILE, rows = tn * group;
+    const int tile_blocks = (s->start + i0 + tn - 1) / 16 + 1;
+    /* row r: query position i0 + r % tn of the group's head r / tn */
+    const uint32_t *q[TILE * 16];
+    for (int r = 0; r < rows; r++)
+        q[r] = (const uint32_t *)(s->q + ((int64_t)(i0 + r % tn) * s->heads +
+                                          (int64_t)kvh * group + r / tn) * dim);
+    for (int r0 = 0; r0 < rows; r0 += ROWS_QK) { /* scores */
+        const uint32_t *qr[ROWS_QK];
+        for (int j = 0; j < ROWS_QK; j++) qr[j] = q[r0 + j < rows ? r0 + j : r0];
+        for (int b = 0; b < tile_blocks; b++) {
+            const uint32_t *kb = kp + (int64_t)b * half * 16;
+            __m512 acc[ROWS_QK];
+            for (int j = 0; j < ROWS_QK; j++) acc[j] = _mm512_setzero_ps();
+            for (int p = 0; p < half; p++) {
+                const __m512bh k = (__m512bh)_mm512_load_si512(kb + p * 16);
+                for (int j = 0; j < ROWS_QK; j++)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], k,
+                                              (__m512bh)_mm512_set1_epi32((int)qr[j][p]));
+            }
+            for (int j = 0; j < ROWS_QK && r0 + j < rows; j++)
+                _mm512_store_ps(sc + (int64_t)(r0 + j) * stride + b * 16,
+                                _mm512_mul_ps(acc[j], _mm512_set1_ps(s->scale)));
+        }
+    }
+    for (int r = 0; r < rows; r++) { /* causal softmax, weights to bf16 pairs */
+        float *row = sc + (int64_t)r * stride;
+        const int len = s->start + i0 + r % tn + 1;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int b = 0; b < tile_blocks; b++) {
+            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
+            top = _mm512_mask_max_ps(top, m, top, _mm512_load_ps(row + b * 16));
+        }
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int b = 0; b < tile_blocks; b++) {
+            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
+            const __m512 e = _mm512_maskz_mov_ps(
+                m, exp512_nonpositive(_mm512_sub_ps(_mm512_load_ps(row + b * 16), max)));
+            _mm512_store_ps(row + b * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        uint32_t *w = pw + (int64_t)r * (stride / 2);
+        for (int b = 0; b < tile_blocks; b++) {
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + b * 16), inv));
+            _mm256_store_si256((__m256i *)(w + b * 8), (__m256i)h);
+        }
+    }
+    /* weights times values: RPV rows at once, DIMV vectors each */
+    const int RPV = DIMV >= 16 ? 1 : 16 / DIMV;
+    for (int r0 = 0; r0 < rows; r0 += RPV) {
+        __m512 o[16];
+        for (int j = 0; j < RPV * DIMV; j++) o[j] = _mm512_setzero_ps();
+        const uint32_t *w[16];
+        for (int j = 0; j < RPV; j++) w[j] = pw + (int64_t)(r0 + j < rows ? r0 + j : r0) * (stride / 2);
+        for (int pair = 0; pair < tile_blocks * 8; pair++) {
+            const uint32_t *vrow = vp + (int64_t)pair * dim;
+            for (int c = 0; c < DIMV; c++) {
+                const __m512bh v = (__m512bh)_mm512_load_si512(vrow + c * 16);
+                for (int j = 0; j < RPV; j++)
+                    o[j * DIMV + c] = _mm512_dpbf16_ps(
+                        o[j * DIMV + c], v, (__m512bh)_mm512_set1_epi32((int)w[j][pair]));
+            }
+        }
+        for (int j = 0; j < RPV && r0 + j < rows; j++) {
+            const int r = r0 + j;
+            uint16_t *dst = s->out + ((int64_t)(i0 + r % tn) * s->heads +
+                                      (int64_t)kvh * group + r / tn) * dim;
+            for (int c = 0; c < DIMV; c++)
+                _mm256_storeu_si256((__m256i *)(dst + c * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(o[j * DIMV + c]));
+        }
+    }
+}
+
+/* The tiles of every KV head shared out over torch's own OpenMP threads (the kernel links the
+ * libgomp torch has loaded, so no second pool competes with torch's), longest tiles first. */
+static int prefill_run(const Prefill *s, const int DIMV) {
+    const int keys = s->start + s->n, key_blocks = (keys + 15) / 16, dim = DIMV * 16;
+    const int group = s->heads / s->kv_heads, stride = key_blocks * 16;
+    const int64_t words = (int64_t)key_blocks * 8 * dim; /* packed keys of a head; values alike */
+    uint32_t *kp = aligned_alloc(64, (size_t)words * 2 * s->kv_heads * 4);
+    if (kp == NULL) return -1;
+    uint32_t *vp = kp + words * s->kv_heads;
+    const int tiles = (s->n + TILE - 1) / TILE, items = tiles * s->kv_heads;
+    int status = 0;
+#pragma omp parallel for if (items > 1)
+    for (int kvh = 0; kvh < s->kv_heads; kvh++)
+        prefill_pack(s, kvh, kp + kvh * words, vp + kvh * words);
+#pragma omp parallel if (items > 1)
+    {
+        float *sc = aligned_alloc(64, (size_t)TILE * group * stride * 4);
+        uint32_t *pw = aligned_alloc(64, (size_t)TILE * group * stride * 2);
+        if (sc == NULL || pw == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = items - 1; item >= 0; item--) {
+            if (sc == NULL || pw == NULL) continue;
+            const int kvh = item % s->kv_heads, i0 = item / s->kv_heads * TILE;
+            prefill_tile(s, kvh, i0, DIMV, kp + kvh * words, vp + kvh * words, sc, pw, stride);
+        }
+        free(sc), free(pw);
+    }
+    free(kp);
+    return status;
+}
+
+static int prefill_64(const Prefill *s) { return prefill_run(s, 4); }
+static int prefill_128(const Prefill *s) { return prefill_run(s, 8); }
+static int prefill_any(const Prefill *s) { return prefill_run(s, s->dim / 16); }
+
+int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
+                  int block_size, int dim, float scale) {
+    if (dim % 32 || dim / 16 > MAX_DIMV || kv_heads < 1 || heads % kv_heads ||
+        heads / kv_heads > MAX_GROUP || n < 1 || start < 0)
+        return -2;
+    const Prefill s = {q, k_pool, v_pool, table, out, n, start,
+                       heads, kv_heads, num_blocks, block_size, dim, scale};
+    if (dim == 64) return prefill_64(&s);
+    if (dim == 128) return prefill_128(&s);
+    return prefill_any(&s);
+}
+#else
+int prefill_available(void) { return 0; }
+int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
+                  int block_size, int dim, float scale) {
+    return -3; /* not built for this CPU: the caller takes torch's SDPA */
+}
+#endif
 """
 
 # Not -ffast-math: a shared library built with it (GCC before 13) sets the CPU's flush-to-zero
@@ -228,7 +456,10 @@ def _build(compiler: str) -> Path:
         source.write_text(_SOURCE)
         built = Path(build_dir) / library.name
         command = [compiler, *_FLAGS, str(source), "-o", str(built), "-lm"]
-        subprocess.run(command, check=True, capture_output=True, timeout=120)
+        try:  # with OpenMP where the compiler has it; its pragmas are ignored without
+            subprocess.run([*command, "-fopenmp"], check=True, capture_output=True, timeout=120)
+        except subprocess.CalledProcessError:
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
         os.replace(built, library)  # whole or not at all, for workers building at once
     return library
 
@@ -251,6 +482,9 @@ def load() -> ctypes.CDLL | None:
         return None
     library.paged_decode.restype = ctypes.c_int
     library.paged_decode.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 8, ctypes.c_float]
+    library.paged_prefill.restype = ctypes.c_int
+    library.paged_prefill.argtypes = [*[ctypes.c_void_p] * 5, *[ctypes.c_int] * 7, ctypes.c_float]
+    library.prefill_available.restype = ctypes.c_int
     return library
 
 
@@ -312,4 +546,55 @@ def paged_decode(
     )
     if status != 0:
         raise RuntimeError(f"paged_decode failed ({status})")
+    return out
+
+
+def supports_prefill(q: torch.Tensor, key_pool: torch.Tensor) -> bool:
+    """Whether the kernel takes a layer's prompt chunks: as `supports`, but bf16 only, a head
+    dimension a multiple of 32, and a CPU with AVX512-BF16 dot products (the library says
+    whether it was built with them)."""
+    library = load() if q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 else None
+    return library is not None and bool(library.prefill_available()) and supports(q, key_pool)
+
+
+def paged_prefill(
+    q: torch.Tensor,  # [tokens, heads, head_dim]: one sequence's chunk
+    key_pool: torch.Tensor,  # one layer's [kv_heads, blocks, block_size, head_dim], contiguous
+    value_pool: torch.Tensor,
+    table: torch.Tensor,  # the sequence's block table, int32, contiguous
+    start: int,  # the chunk's first position: keys before it are the sequence's earlier ones
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a chunk at positions `start ..` over the sequence's keys up to
+    each query's own: [tokens, heads, head_dim]. Only where `supports_prefill` said so."""
+    library = load()
+    if library is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    q = q.contiguous()
+    if not (key_pool.is_contiguous() and value_pool.is_contiguous() and table.is_contiguous()):
+        raise ValueError("paged_prefill: the pools and the table must be contiguous")
+    if table.dtype != torch.int32:
+        raise ValueError("paged_prefill: the table is int32")
+    tokens, heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size, _ = key_pool.shape
+    if table.shape[0] * block_size < start + tokens:
+        raise ValueError("paged_prefill: the table is shorter than the chunk's end")
+    out = torch.empty_like(q)
+    status = library.paged_prefill(
+        q.data_ptr(),
+        key_pool.data_ptr(),
+        value_pool.data_ptr(),
+        table.data_ptr(),
+        out.data_ptr(),
+        tokens,
+        start,
+        heads,
+        kv_heads,
+        num_blocks,
+        block_size,
+        head_dim,
+        scale,
+    )
+    if status != 0:
+        raise RuntimeError(f"paged_prefill failed ({status})")
     return out

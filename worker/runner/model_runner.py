@@ -302,8 +302,10 @@ class ModelRunner:
             num_blocks = -(-chunk.end // self.block_size)
             block_ids = torch.tensor(chunk.block_ids[:num_blocks], device=self._device)
             rows = self._pool_rows(block_ids)
-            mask = self._chunk_mask(chunk)
-            prefills.append(PrefillSpan(query_start, query_end, rows, chunk.end, mask))
+            span = PrefillSpan(query_start, query_end, rows, chunk.end, self._chunk_mask(chunk))
+            if self._device.type == "cpu":
+                span.table = block_ids.to(torch.int32)
+            prefills.append(span)
             query_start = query_end
         return StepMetadata(slot_mapping, self._decode_groups(batch.decodes), prefills)
 

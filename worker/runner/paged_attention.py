@@ -15,7 +15,10 @@ and then the registered attention function, which attends per sequence:
   softmax in fp32: within one bf16 rounding step of SDPA. On the CPU, a kernel of ours takes
   the decodes instead wherever it could be built (`cpu_attention.py`): it follows the block
   tables itself and reads each key and value once, where this path copies them first;
-- each prefill chunk in its own SDPA call, causal with the chunk's offset.
+- each prefill chunk in its own SDPA call, causal with the chunk's offset. On a CPU with
+  AVX512-BF16 dot products, the kernel takes bf16 chunks instead (`cpu_attention.py`): torch
+  2.13's CPU SDPA runs at 20-90 GFLOP/s on these shapes, a quarter of the step's time on a
+  chunk of 384 tokens, where the kernel, on one thread, is 2-5x faster.
 
 The pool is laid out by KV head, then block ([layers, kv_heads, blocks, block_size,
 head_dim]), so keys are gathered a whole block at a time (one contiguous copy per block, not
@@ -61,6 +64,8 @@ class PrefillSpan:
     pool_rows: torch.Tensor  # `pool_rows` of the sequence's block table up to the chunk's end
     num_context: int  # keys the chunk attends to: every token up to its end
     mask: torch.Tensor | None  # [1, 1, chunk, context] bool, or None for a plain causal chunk
+    # On the CPU, for its kernel (`cpu_attention.py`): the sequence's block table, int32.
+    table: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -110,8 +115,17 @@ def attend(q, key_pool, value_pool, step: StepMetadata, scaling=None) -> torch.T
             )
         else:
             out[rows] = _decode(q[:, rows], key_pool, value_pool, group, scaling)
+    prefill_kernel = bool(step.prefills) and cpu_attention.supports_prefill(q, key_pool)
     for span in step.prefills:
-        out[span.query_start : span.query_end] = _prefill(q, key_pool, value_pool, span, scaling)
+        rows = slice(span.query_start, span.query_end)
+        if prefill_kernel and span.table is not None:
+            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+            start = span.num_context - (span.query_end - span.query_start)
+            out[rows] = cpu_attention.paged_prefill(
+                q[:, rows].transpose(0, 1), key_pool, value_pool, span.table, start, scale
+            )
+        else:
+            out[rows] = _prefill(q, key_pool, value_pool, span, scaling)
     return out
 
 
