@@ -146,6 +146,9 @@ def bench(
     max_num_seqs: int = DEFAULT_ENGINE.max_num_seqs,
     max_num_batched_tokens: int = DEFAULT_ENGINE.max_num_batched_tokens,
     max_num_prefill_tokens: int | None = DEFAULT_ENGINE.max_num_prefill_tokens,
+    shared_batched_tokens: Annotated[
+        int, typer.Option(help="The step's budget while several tenants have work (0: no cap).")
+    ] = DEFAULT_ENGINE.shared_batched_tokens or 0,
     itl_target_ms: float | None = DEFAULT_ENGINE.itl_target_ms,
     kv_cache_gb: float | None = DEFAULT_ENGINE.kv_cache_gb,
     quantum_tokens: Annotated[
@@ -328,6 +331,7 @@ def bench(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_prefill_tokens=max_num_prefill_tokens,
+            shared_batched_tokens=shared_batched_tokens or None,
             itl_target_ms=itl_target_ms,
             kv_cache_gb=kv_cache_gb,
             quantum_tokens=quantum_tokens,
@@ -406,6 +410,7 @@ def bench(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_prefill_tokens=max_num_prefill_tokens,
+                shared_batched_tokens=shared_batched_tokens or None,
                 itl_target_ms=itl_target_ms,
                 kv_cache_gb=kv_cache_gb,
                 forward=forward,

@@ -167,6 +167,7 @@ def _worker_args(run: Run, index: int, ids: dict[str, str], base, dtype: str) ->
         "--queueing", run.queueing, "--fairness-scope", run.fairness_scope,
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--shared-batched-tokens", str(config.shared_batched_tokens or 0),
         "--quantum-tokens", str(config.quantum_tokens), "--forward", config.forward,
     ]  # fmt: skip
     if config.burst_tokens is not None:

@@ -172,6 +172,12 @@ def worker(
             help="continuous: tokens of a step with no decodes in it (default: the same)."
         ),
     ] = None,
+    shared_batched_tokens: Annotated[
+        int,
+        typer.Option(
+            help="continuous: the step's budget while more than one tenant has work (0: no cap)."
+        ),
+    ] = DEFAULT_ENGINE.shared_batched_tokens or 0,
     itl_target_ms: Annotated[
         float | None,
         typer.Option(help="continuous: ITL target that adapts the budget beside decodes."),
@@ -318,6 +324,7 @@ def worker(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_prefill_tokens=max_num_prefill_tokens,
+        shared_batched_tokens=shared_batched_tokens or None,
         itl_target_ms=itl_target_ms,
         block_size=block_size,
         kv_cache_gb=kv_cache_gb,

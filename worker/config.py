@@ -16,7 +16,11 @@ class EngineConfig:
     batching: str = "continuous"  # "continuous" | "static" | "one"
     max_batch_size: int = 8  # static batching
     max_num_seqs: int = 64  # continuous batching: sequences in the batch
-    max_num_batched_tokens: int = 192  # continuous batching: tokens per step (chunked prefill)
+    max_num_batched_tokens: int = 384  # continuous batching: tokens per step (chunked prefill)
+    # continuous batching: the step's budget while more than one tenant has work in the
+    # batch or its queue (None: no cap): another tenant's next token and first token then
+    # wait on at most this much of a neighbour's prompt work (token_budget.py)
+    shared_batched_tokens: int | None = 192
     # continuous batching: the budget of a step with no decodes in it (None: the same), and
     # the ITL target that adapts the budget beside decodes (None: fixed); token_budget.py
     max_num_prefill_tokens: int | None = None

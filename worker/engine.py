@@ -43,6 +43,7 @@ def build_scheduler(config: EngineConfig, num_blocks: int) -> Scheduler:
         config.max_num_batched_tokens,
         config.max_num_prefill_tokens,
         None if config.itl_target_ms is None else config.itl_target_ms / 1e3,
+        shared_batched_tokens=config.shared_batched_tokens,
     )
     if config.queueing == "fair":
         queue = FairQueue(config.quantum_tokens, config.burst_tokens)

@@ -93,6 +93,8 @@ class SchedulerConfig:
     # target that adapts the budget beside decodes (None: fixed). `worker/token_budget.py`.
     max_num_prefill_tokens: int | None = None
     itl_target_s: float | None = None
+    # The budget's cap while more than one tenant has work here (None: none).
+    shared_batched_tokens: int | None = None
     # A prefill chunk's attention costs (chunk tokens x context): late chunks of a long prompt
     # are cut so that product stays under this (256 x 512), or one 256-token chunk at 2,048
     # tokens of context makes its step 4x a decode step (docs/benchmarks.md).
@@ -123,7 +125,10 @@ class Scheduler:
         self.waiting = waiting
         self.policy = policy
         self.budget = TokenBudget(
-            config.max_num_batched_tokens, config.max_num_prefill_tokens, config.itl_target_s
+            config.max_num_batched_tokens,
+            config.max_num_prefill_tokens,
+            config.itl_target_s,
+            config.shared_batched_tokens,
         )
         self.running: list[Sequence] = []
         self.num_preemptions_by_tenant: Counter[str] = Counter()
@@ -201,9 +206,10 @@ class Scheduler:
         if self.suspects:
             return self._schedule_alone(self.suspects[0])
         has_decodes = any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+        running_tenants = frozenset(seq.tenant_id for seq in self.running)
         out = SchedulerOutput(
-            token_budget=self.budget.for_step(has_decodes),
-            running_tenants=frozenset(seq.tenant_id for seq in self.running),
+            token_budget=self.budget.for_step(has_decodes, self._is_shared(running_tenants)),
+            running_tenants=running_tenants,
         )
         budget = out.token_budget
         scheduled: set[int] = set()
@@ -263,6 +269,15 @@ class Scheduler:
             if seq not in self.suspects:
                 self.suspects.append(seq)
         return []
+
+    def _is_shared(self, running_tenants: frozenset[str]) -> bool:
+        """Whether more than one tenant has work here, running or waiting."""
+        tenants = set(running_tenants)
+        for seq in self.waiting:
+            if len(tenants) > 1:
+                break
+            tenants.add(seq.tenant_id)
+        return len(tenants) > 1
 
     def _is_held_back(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """A step that admits a newcomer's prompt takes no prompt work of the tenants

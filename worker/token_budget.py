@@ -10,6 +10,13 @@ Plain Python, no torch, no clock of its own: the engine reports each step's dura
   proportion, and a step that used all of it well under the target (below 80%) grows it
   by a quarter, within [`MIN_TOKENS`, `prefill_tokens`]. Every decode of a step waits for
   the whole step, so a step within the target is each of its tokens' ITL within it.
+- While more than one tenant has work (in the batch or its queue), a step takes at most
+  `shared_tokens` (`--shared-batched-tokens`): a larger step is more throughput and an
+  earlier first token for the prompts it carries, paid by every token that waits for it;
+  when that is another tenant's next token, or a newcomer's first (issue 15's burst-fill:
+  a 384-token step made a light tenant's TTFT p99 3.4x its value alone against 2.4x at 192,
+  docs/benchmarks.md), isolation wins. A tenant that arrives while a step runs still waits
+  for that step.
 """
 
 from __future__ import annotations
@@ -21,14 +28,23 @@ GROWTH = 1.25
 
 class TokenBudget:
     def __init__(
-        self, decode_tokens: int, prefill_tokens: int | None, itl_target_s: float | None
+        self,
+        decode_tokens: int,
+        prefill_tokens: int | None,
+        itl_target_s: float | None,
+        shared_tokens: int | None = None,
     ) -> None:
         self.prefill_tokens = max(decode_tokens, prefill_tokens or decode_tokens)
         self.itl_target_s = itl_target_s
         self.decode_tokens = decode_tokens  # beside decodes; adapts with an ITL target
+        self.shared_tokens = shared_tokens
 
-    def for_step(self, has_decodes: bool) -> int:
-        return self.decode_tokens if has_decodes else self.prefill_tokens
+    def for_step(self, has_decodes: bool, is_shared: bool = False) -> int:
+        """The budget of a step with decodes in it or none, shared by several tenants or not."""
+        budget = self.decode_tokens if has_decodes else self.prefill_tokens
+        if is_shared and self.shared_tokens is not None:
+            return min(budget, self.shared_tokens)
+        return budget
 
     def observe(self, num_tokens: int, budget: int, has_decodes: bool, seconds: float) -> None:
         """A step of `num_tokens` (of `budget`) took `seconds`."""

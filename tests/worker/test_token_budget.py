@@ -4,9 +4,9 @@ keeps a step within the ITL target (by feedback from measured steps)."""
 from __future__ import annotations
 
 from tests.factories import make_sequence
-from worker.fair_queue import FifoQueue
+from worker.fair_queue import FairQueue, FifoQueue
 from worker.kv_cache import KVCacheManager
-from worker.preemption import LatestArrivalFirst
+from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.token_budget import MIN_TOKENS, TokenBudget
 
@@ -68,3 +68,25 @@ def test_a_burst_is_prefilled_in_few_large_steps_then_small_ones_beside_its_deco
     for i in range(16):
         scheduler.add(make_sequence(i, num_prompt_tokens=100, max_tokens=50))
     assert len(_schedule_all(scheduler)) > len(per_step)
+
+
+def test_a_step_shared_by_several_tenants_takes_at_most_the_shared_budget():
+    budget = TokenBudget(384, 1024, None, shared_tokens=192)
+    assert budget.for_step(has_decodes=True) == 384
+    assert budget.for_step(has_decodes=True, is_shared=True) == 192
+    assert budget.for_step(has_decodes=False, is_shared=True) == 192
+    assert TokenBudget(384, None, None).for_step(has_decodes=True, is_shared=True) == 384
+    assert TokenBudget(128, None, None, 192).for_step(has_decodes=True, is_shared=True) == 128
+
+
+def test_the_scheduler_caps_the_step_while_another_tenant_has_work_running_or_waiting():
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, shared_batched_tokens=64)
+    scheduler = Scheduler(config, KVCacheManager(512, 16), FairQueue(), TenantAwarePreemption())
+    for i in range(4):
+        scheduler.add(make_sequence(i, tenant_id="a", num_prompt_tokens=200, max_tokens=50))
+    alone = scheduler.schedule()
+    assert alone.token_budget == 256 and alone.num_batched_tokens == 256
+    scheduler.postprocess(alone, [65] * sum(chunk.is_sampling for chunk in alone.chunks))
+    scheduler.add(make_sequence(9, tenant_id="b", num_prompt_tokens=20, max_tokens=5))
+    shared = scheduler.schedule()  # b waits (or is admitted): two tenants have work
+    assert shared.token_budget == 64 and shared.num_batched_tokens <= 64

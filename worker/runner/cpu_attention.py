@@ -471,14 +471,14 @@ def load() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: decode attention takes the slower torch path")
+        log.warning("no C compiler found: attention takes the slower torch paths")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as exc:
         stderr = getattr(exc, "stderr", None) or b""
-        log.warning("the CPU attention kernel could not be built (%s %s): decode attention "
-                    "takes the slower torch path", exc, stderr.decode(errors="replace")[-500:])  # fmt: skip
+        log.warning("the CPU attention kernel could not be built (%s %s): attention "
+                    "takes the slower torch paths", exc, stderr.decode(errors="replace")[-500:])  # fmt: skip
         return None
     library.paged_decode.restype = ctypes.c_int
     library.paged_decode.argtypes = [*[ctypes.c_void_p] * 6, *[ctypes.c_int] * 8, ctypes.c_float]
