@@ -34,6 +34,7 @@ or over 256), the torch paths run. Decode: the two agree within a rounding step 
 model's dtype (the kernel keeps scores, weights and sums in fp32 where the torch path rounds
 scores and weights to bf16). Prompts: both round the weights to bf16 before the values.
 """
+
 from __future__ import annotations
 
 import ctypes
