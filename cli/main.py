@@ -175,7 +175,10 @@ def worker(
     shared_batched_tokens: Annotated[
         int,
         typer.Option(
-            help="continuous: the step's budget while more than one tenant has work (0: no cap)."
+            help=(
+                "continuous: the step's budget while more than one tenant has work, or had "
+                "in the last 10 s (0: no cap)."
+            )
         ),
     ] = DEFAULT_ENGINE.shared_batched_tokens or 0,
     itl_target_ms: Annotated[

@@ -18,7 +18,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # continuous batching: sequences in the batch
     max_num_batched_tokens: int = 384  # continuous batching: tokens per step (chunked prefill)
     # continuous batching: the step's budget while more than one tenant has work in the
-    # batch or its queue (None: no cap): another tenant's next token and first token then
+    # batch or its queue, or had in the last 10 s (None: no cap): another tenant's next token and first token then
     # wait on at most this much of a neighbour's prompt work (token_budget.py)
     shared_batched_tokens: int | None = 192
     # continuous batching: the budget of a step with no decodes in it (None: the same), and

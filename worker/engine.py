@@ -192,7 +192,7 @@ class ContinuousBatchingEngine:
         )
 
     def step(self) -> list[SequenceOutput]:
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(time.monotonic())
         if out.is_empty:
             return []
         started_s = time.perf_counter()

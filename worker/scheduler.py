@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -93,8 +94,12 @@ class SchedulerConfig:
     # target that adapts the budget beside decodes (None: fixed). `worker/token_budget.py`.
     max_num_prefill_tokens: int | None = None
     itl_target_s: float | None = None
-    # The budget's cap while more than one tenant has work here (None: none).
+    # The budget's cap while more than one tenant has work here, or had within the last
+    # `shared_window_s` seconds (None: no cap). A light tenant's requests often end before
+    # its next one comes; without the memory its next request would wait for a step of a
+    # neighbour's larger prompt work (the burst-fill scenario, docs/benchmarks.md).
     shared_batched_tokens: int | None = None
+    shared_window_s: float = 10.0
     # A prefill chunk's attention costs (chunk tokens x context): late chunks of a long prompt
     # are cut so that product stays under this (256 x 512), or one 256-token chunk at 2,048
     # tokens of context makes its step 4x a decode step (docs/benchmarks.md).
@@ -139,6 +144,10 @@ class Scheduler:
         # are dropped as they come up, or all at once when they are most of the heap.
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._tie_breaks = itertools.count()
+        # When each tenant last had work here (for the shared budget), and the tenants of
+        # the sequences added since the last step.
+        self._tenants_seen_s: dict[str, float] = {}
+        self._tenants_added: set[str] = set()
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
         """Queue a sequence; refuse it at once (an error output) if it could never fit."""
@@ -149,6 +158,7 @@ class Scheduler:
                 f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence",
             )
         self.waiting.push(seq)
+        self._tenants_added.add(seq.tenant_id)
         deadlines = [d for d in (seq.queue_deadline_s, seq.deadline_s) if d is not None]
         if deadlines:
             self._watch(seq, min(deadlines))
@@ -181,7 +191,7 @@ class Scheduler:
     def num_preemptions(self) -> int:
         return sum(self.num_preemptions_by_tenant.values())
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now_s: float | None = None) -> SchedulerOutput:
         """The running sequences' next tokens (one for a decode, the next chunk of a prompt
         or of its recompute) and the admission of waiting sequences, in the waiting queue's
         priority order while the step's token budget lasts. With fair queuing that is the
@@ -199,7 +209,8 @@ class Scheduler:
         service: `_displace`), in an extra place while the KV cache has room, else by
         preempting; it is then admitted first. Every token computed is charged to the
         sequence's tenant: all of a sequence's tokens when it is admitted (its prompt, or everything again after a
-        preemption), then each decode.
+        preemption), then each decode. `now_s` (a monotonic clock, read here when not given)
+        dates the tenants seen, for the shared budget.
         """
         while self.suspects and self.suspects[0].is_finished:
             self.suspects.popleft()
@@ -208,7 +219,10 @@ class Scheduler:
         has_decodes = any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
         running_tenants = frozenset(seq.tenant_id for seq in self.running)
         out = SchedulerOutput(
-            token_budget=self.budget.for_step(has_decodes, self._is_shared(running_tenants)),
+            token_budget=self.budget.for_step(
+                has_decodes,
+                self._is_shared(running_tenants, time.monotonic() if now_s is None else now_s),
+            ),
             running_tenants=running_tenants,
         )
         budget = out.token_budget
@@ -270,8 +284,17 @@ class Scheduler:
                 self.suspects.append(seq)
         return []
 
-    def _is_shared(self, running_tenants: frozenset[str]) -> bool:
-        """Whether more than one tenant has work here, running or waiting."""
+    def _is_shared(self, running_tenants: frozenset[str], now_s: float) -> bool:
+        """Whether more than one tenant has work here (running or waiting), or had within
+        the last `shared_window_s` seconds."""
+        for tenant_id in running_tenants | self._tenants_added:
+            self._tenants_seen_s[tenant_id] = now_s
+        self._tenants_added.clear()
+        since_s = now_s - self.config.shared_window_s
+        if any(seen_s < since_s for seen_s in self._tenants_seen_s.values()):
+            self._tenants_seen_s = {t: s for t, s in self._tenants_seen_s.items() if s >= since_s}
+        if len(self._tenants_seen_s) > 1:
+            return True
         tenants = set(running_tenants)
         for seq in self.waiting:
             if len(tenants) > 1:

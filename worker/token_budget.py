@@ -10,7 +10,8 @@ Plain Python, no torch, no clock of its own: the engine reports each step's dura
   proportion, and a step that used all of it well under the target (below 80%) grows it
   by a quarter, within [`MIN_TOKENS`, `prefill_tokens`]. Every decode of a step waits for
   the whole step, so a step within the target is each of its tokens' ITL within it.
-- While more than one tenant has work (in the batch or its queue), a step takes at most
+- While more than one tenant has work (in the batch or its queue, or had within the
+  scheduler's `shared_window_s`), a step takes at most
   `shared_tokens` (`--shared-batched-tokens`): a larger step is more throughput and an
   earlier first token for the prompts it carries, paid by every token that waits for it;
   when that is another tenant's next token, or a newcomer's first (issue 15's burst-fill:

@@ -90,3 +90,26 @@ def test_the_scheduler_caps_the_step_while_another_tenant_has_work_running_or_wa
     scheduler.add(make_sequence(9, tenant_id="b", num_prompt_tokens=20, max_tokens=5))
     shared = scheduler.schedule()  # b waits (or is admitted): two tenants have work
     assert shared.token_budget == 64 and shared.num_batched_tokens <= 64
+
+
+def test_a_tenant_whose_requests_ended_keeps_the_step_capped_for_the_shared_window():
+    """A light tenant's request often ends before its next one comes (burst-fill's B): for
+    `shared_window_s` after it last had work the worker still counts it, so its next request
+    does not wait for a step of a neighbour's larger prompt work; after that, the tenant
+    left alone gets the full budget again."""
+    config = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=256, shared_batched_tokens=64, shared_window_s=10.0
+    )
+    scheduler = Scheduler(config, KVCacheManager(512, 16), FairQueue(), TenantAwarePreemption())
+    scheduler.add(make_sequence(9, tenant_id="b", num_prompt_tokens=20, max_tokens=1))
+    b_only = scheduler.schedule(now_s=100.0)
+    assert b_only.token_budget == 256
+    outputs = scheduler.postprocess(b_only, [65])
+    assert outputs[0].is_finished and not scheduler.has_work()  # b has nothing here now
+    for i in range(4):
+        scheduler.add(make_sequence(i, tenant_id="a", num_prompt_tokens=200, max_tokens=50))
+    soon_after = scheduler.schedule(now_s=105.0)
+    assert soon_after.token_budget == 64 and soon_after.num_batched_tokens == 64
+    scheduler.postprocess(soon_after, [65] * sum(c.is_sampling for c in soon_after.chunks))
+    after_the_window = scheduler.schedule(now_s=110.5)
+    assert after_the_window.token_budget == 256 and after_the_window.num_batched_tokens == 256
