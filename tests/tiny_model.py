@@ -46,11 +46,19 @@ def build(
     return directory
 
 
-def attentive(model_type: str = "llama", *, seed: int = 0, vocab_size: int = 49152):
+def attentive(
+    model_type: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = 49152,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+):
     """A tiny random model in memory (fp32, as a `LoadedModel`) whose weights are large
     enough that attention and positions decide its tokens. At the default init (0.02) the
     tied embeddings' echo of the input does, and a forward without RoPE still matched
-    `generate` token for token. `model_type`: "llama", or "qwen2" (biased q/k/v)."""
+    `generate` token for token. `model_type`: "llama", or "qwen2" (biased q/k/v). Heads of
+    64 / `num_heads` dimensions: 16 by default, 32 with 2 heads (the CPU's fused ops)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -65,8 +73,8 @@ def attentive(model_type: str = "llama", *, seed: int = 0, vocab_size: int = 491
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=2048,
         initializer_range=0.5,
         tie_word_embeddings=True,

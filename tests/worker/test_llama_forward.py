@@ -18,8 +18,11 @@ from worker.runner.model_runner import ModelRunner
 from worker.scheduler import Scheduler, SchedulerConfig
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-32d"])
 def loaded(request):
+    """Heads of 16 dimensions, or of 32 ("-32d"): the CPU's fused layer ops then run."""
+    if request.param == "llama-32d":
+        return tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
     return tiny_model.attentive(request.param)
 
 

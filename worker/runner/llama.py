@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.runner.cpu_layer_ops import LayerOps
 from worker.runner.paged_attention import StepMetadata, attend
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -76,6 +77,13 @@ class LlamaForward:
         self.lm_head = _Linear(model.lm_head.weight.detach())
         self.rotary = decoder.rotary_emb  # HF's, so every RoPE scaling type is as HF has it
         self.layers = [_fuse(layer) for layer in decoder.layers]
+        # On the CPU, the layers' element-wise work in four C calls a layer (cpu_layer_ops.py)
+        self.ops = LayerOps.for_model(
+            self.embed.device,
+            self.embed.dtype,
+            (config.hidden_size, config.intermediate_size),
+            self.head_dim,
+        )
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -110,6 +118,8 @@ class LlamaForward:
     ) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden, positions[None])
+        if self.ops is not None:
+            return self._fused_forward(hidden, cos[0], sin[0], k_pool, v_pool, step, keep)
         cos, sin = cos[0, :, None], sin[0, :, None]  # [num_tokens, 1, head_dim]
         num_q = self.num_heads * self.head_dim
         num_kv = self.num_kv_heads * self.head_dim
@@ -132,6 +142,38 @@ class LlamaForward:
             hidden = hidden + layer.down(F.silu(gate) * up)
         hidden = _rms_norm(hidden.index_select(0, keep), self.norm, self.eps)
         return self.lm_head(hidden)
+
+    def _fused_forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        step: StepMetadata,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same forward with the element-wise work in the CPU's fused ops."""
+        ops = self.ops
+        assert ops is not None
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slot_mapping = step.slot_mapping.to(torch.int64).contiguous()
+        num_q = self.num_heads * self.head_dim
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, self.eps)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)
+            ops.rope_write(
+                qkv, cos, sin, self.num_heads, k_pool[index], v_pool[index], slot_mapping
+            )
+            q = qkv[:, :num_q].view(-1, self.num_heads, self.head_dim)
+            out = attend(q.transpose(0, 1), k_pool[index], v_pool[index], step, self.scaling)
+            x = ops.add_rms_norm(hidden, layer.o(out.flatten(1)), layer.post_norm, self.eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if index + 1 < len(self.layers):
+                x = ops.add_rms_norm(hidden, delta, self.layers[index + 1].input_norm, self.eps)
+            else:
+                hidden += delta
+        return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
 
 
 def _fuse(layer: Any) -> _Layer:

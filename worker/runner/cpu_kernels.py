@@ -1,0 +1,102 @@
+"""The runner's C kernels for the CPU: built once per machine, loaded through ctypes.
+
+The sources are in `csrc/` (`paged_attention.c`: attention over the paged KV cache,
+`cpu_attention.py`; `layer_ops.c`: a decoder layer's fused element-wise ops,
+`cpu_layer_ops.py`). The system's C compiler builds them into one library in a cache
+directory (`LLMFLEET_KERNEL_CACHE`, else `~/.cache/llmfleet/kernels`; the file is named by a
+hash of the sources, the flags and the CPU's feature flags, since it is built for the CPU it
+runs on): no Python or torch headers, a few seconds to build. Their work is shared out with
+OpenMP over **torch's own threads**: built with `-fopenmp`, the library links the
+`libgomp.so.1` torch has already loaded (the dynamic linker reuses a loaded library of the
+same name), so there is one pool of threads, torch's. A pool of the kernels' own competed
+with torch's spinning threads (an earlier draft on two pthreads of its own: 167 output tokens
+a second against 196 on one thread, docs/benchmarks.md). Without OpenMP the pragmas are
+ignored and the kernels run on the calling thread.
+
+Where no compiler is found, the build fails or `LLMFLEET_CPU_ATTENTION_KERNEL=0` is set,
+`load()` is None and the runner takes the torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from worker.runner.loader import cpu_flags
+
+log = logging.getLogger("llmfleet.worker")
+
+_SOURCES = ("paged_attention.c", "layer_ops.c")
+# Not -ffast-math: a shared library built with it (GCC before 13) sets the CPU's flush-to-zero
+# and denormals-are-zero modes for the whole process when it is loaded, and every float in
+# the process then reads a denormal as 0 (5e-324 became a temperature of 0).
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {  # name: (argument types, result type)
+    "paged_decode": ((*[_P] * 6, *[_I] * 8, _F), _I),
+    "paged_prefill": ((*[_P] * 5, *[_I] * 7, _F), _I),
+    "prefill_available": ((), _I),
+    "rms_norm": ((*[_P] * 3, _I, _I, _F, _I), None),
+    "add_rms_norm": ((*[_P] * 4, _I, _I, _F, _I), None),
+    "silu_mul": ((_P, _P, _I, _I, _I), None),
+    "rope_write": ((*[_P] * 6, *[_I] * 6), None),
+}
+
+
+def _cache_dir() -> Path:
+    if configured := os.environ.get("LLMFLEET_KERNEL_CACHE"):
+        return Path(configured)
+    return Path.home() / ".cache" / "llmfleet" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    here = Path(__file__).parent / "csrc"
+    sources = {name: (here / name).read_text() for name in _SOURCES}
+    cpu = " ".join(sorted(cpu_flags()))  # -march=native: built for this CPU
+    key = hashlib.sha256("\n".join([*sources.values(), *_FLAGS, cpu]).encode()).hexdigest()
+    library = _cache_dir() / f"llmfleet-kernels-{key[:16]}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as build_dir:
+        paths = []
+        for name, text in sources.items():
+            paths.append(Path(build_dir) / name)
+            paths[-1].write_text(text)
+        built = Path(build_dir) / library.name
+        command = [compiler, *_FLAGS, *map(str, paths), "-o", str(built), "-lm"]
+        try:  # with OpenMP where the compiler has it; its pragmas are ignored without
+            subprocess.run([*command, "-fopenmp"], check=True, capture_output=True, timeout=120)
+        except subprocess.CalledProcessError:
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+        os.replace(built, library)  # whole or not at all, for workers building at once
+    return library
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernels (built on first use), or None where they are off or cannot be built."""
+    if os.environ.get("LLMFLEET_CPU_ATTENTION_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the runner takes the slower torch paths")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        stderr = getattr(exc, "stderr", None) or b""
+        log.warning("the CPU kernels could not be built (%s %s): the runner takes the "
+                    "slower torch paths", exc, stderr.decode(errors="replace")[-500:])  # fmt: skip
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+    return library

@@ -1,0 +1,213 @@
+/* A Llama-family decoder layer's element-wise work, fused: what torch runs as some 25 small
+ * ops a layer (each a dispatch, an allocation and a pass over memory) in four calls. Each
+ * op rounds where torch's eager ops round (to bf16 after every op of a bf16 model), so the
+ * results are torch's up to the order of a sum (rms_norm) and the last bit of an exp (silu):
+ * worker/runner/cpu_layer_ops.py, tests/worker/test_cpu_layer_ops.py. Rows are spread over
+ * torch's OpenMP threads when there are enough of them to pay for it. Every dimension is a
+ * multiple of 16 (of 32 for a head: its two rotated halves), checked by the caller. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef uint32_t u32v __attribute__((vector_size(64)));
+typedef uint16_t u16v __attribute__((vector_size(32)));
+typedef int32_t i32v __attribute__((vector_size(64)));
+
+#define PARALLEL_ROWS 8 /* fewer rows than this run on the calling thread */
+
+static inline f16v load_v(const void *base, int64_t at, const int BF16) {
+    f16v v;
+    if (BF16) {
+        u16v h;
+        memcpy(&h, (const uint16_t *)base + at, sizeof h);
+        const u32v u = __builtin_convertvector(h, u32v) << 16;
+        memcpy(&v, &u, sizeof v);
+    } else {
+        memcpy(&v, (const float *)base + at, sizeof v);
+    }
+    return v;
+}
+
+/* Round to the nearest bf16, ties to even (torch's rounding); the identity for fp32. */
+static inline f16v rnd(f16v v, const int BF16) {
+    if (!BF16) return v;
+    u32v u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline void store_v(void *base, int64_t at, f16v v, const int BF16) {
+    if (BF16) {
+        u32v u;
+        v = rnd(v, 1);
+        memcpy(&u, &v, sizeof u);
+        const u16v h = __builtin_convertvector(u >> 16, u16v);
+        memcpy((uint16_t *)base + at, &h, sizeof h);
+    } else {
+        memcpy((float *)base + at, &v, sizeof v);
+    }
+}
+
+static inline float hsum(f16v v) {
+    v += __builtin_shuffle(v, (i32v){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (i32v){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (i32v){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (i32v){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* e^x, 16 at a time: 2^n e^f with n = round(x log2 e), |f| <= ln2 / 2, by the Taylor series
+ * to degree 7 (relative error about 1e-8, under fp32's rounding); x clamped to [-87, 88]. */
+static inline f16v select_v(i32v mask, f16v yes, f16v no) {
+    i32v a, b;
+    memcpy(&a, &yes, sizeof a);
+    memcpy(&b, &no, sizeof b);
+    a = (mask & a) | (~mask & b);
+    memcpy(&yes, &a, sizeof yes);
+    return yes;
+}
+
+static inline f16v exp_v(f16v x) {
+    const f16v zero = {0};
+    x = select_v(x < -87.f, zero - 87.f, x);
+    x = select_v(x > 88.f, zero + 88.f, x);
+    const f16v t = x * 1.4426950409f;
+    const f16v n = (t + 12582912.f) - 12582912.f; /* round to nearest, |t| < 2^22 */
+    const f16v f = (t - n) * 0.6931471806f;
+    f16v p = zero + 1.f / 5040;
+    p = p * f + 1.f / 720;
+    p = p * f + 1.f / 120;
+    p = p * f + 1.f / 24;
+    p = p * f + 1.f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    const u32v scale_bits = (u32v)(__builtin_convertvector(n, i32v) + 127) << 23;
+    f16v scale;
+    memcpy(&scale, &scale_bits, sizeof scale);
+    return p * scale;
+}
+
+/* out = weight * round(x * rsqrt(mean(x^2) + eps)): HF's LlamaRMSNorm (normalised in fp32,
+ * cast back to the model's dtype, then scaled). */
+static inline __attribute__((always_inline)) void norm_row(const void *x, void *out,
+                                                          const void *weight, int64_t at,
+                                                          int dim, float eps, const int BF16) {
+    f16v squares = {0};
+    for (int c = 0; c < dim; c += 16) {
+        const f16v v = load_v(x, at + c, BF16);
+        squares += v * v;
+    }
+    const float r = 1.f / sqrtf(hsum(squares) / (float)dim + eps);
+    for (int c = 0; c < dim; c += 16) {
+        const f16v normed = rnd(load_v(x, at + c, BF16) * r, BF16);
+        store_v(out, at + c, load_v(weight, c, BF16) * normed, BF16);
+    }
+}
+
+static inline __attribute__((always_inline)) void rms_norm_rows(const void *x, const void *weight,
+                                                               void *out, int rows, int dim,
+                                                               float eps, const int BF16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int row = 0; row < rows; row++) norm_row(x, out, weight, (int64_t)row * dim, dim, eps, BF16);
+}
+
+void rms_norm(const void *x, const void *weight, void *out, int rows, int dim, float eps,
+              int is_bf16) {
+    if (is_bf16)
+        rms_norm_rows(x, weight, out, rows, dim, eps, 1);
+    else
+        rms_norm_rows(x, weight, out, rows, dim, eps, 0);
+}
+
+/* hidden = round(hidden + delta) in place (the residual), then out = its RMS norm. */
+static inline __attribute__((always_inline)) void add_rms_norm_rows(void *hidden, const void *delta,
+                                                                   const void *weight, void *out,
+                                                                   int rows, int dim, float eps,
+                                                                   const int BF16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int row = 0; row < rows; row++) {
+        const int64_t at = (int64_t)row * dim;
+        for (int c = 0; c < dim; c += 16)
+            store_v(hidden, at + c, load_v(hidden, at + c, BF16) + load_v(delta, at + c, BF16), BF16);
+        norm_row(hidden, out, weight, at, dim, eps, BF16);
+    }
+}
+
+void add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int rows,
+                  int dim, float eps, int is_bf16) {
+    if (is_bf16)
+        add_rms_norm_rows(hidden, delta, weight, out, rows, dim, eps, 1);
+    else
+        add_rms_norm_rows(hidden, delta, weight, out, rows, dim, eps, 0);
+}
+
+/* out[row] = round(silu(gate)) * up, gate and up the two halves of gate_up[row]: torch's
+ * F.silu(gate) * up on the fused projection's output. */
+static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate_up, void *out,
+                                                               int rows, int inter,
+                                                               const int BF16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int row = 0; row < rows; row++) {
+        const int64_t in_at = (int64_t)row * 2 * inter, out_at = (int64_t)row * inter;
+        for (int c = 0; c < inter; c += 16) {
+            const f16v gate = load_v(gate_up, in_at + c, BF16);
+            const f16v silu = rnd(gate / (1.f + exp_v(-gate)), BF16);
+            store_v(out, out_at + c, silu * load_v(gate_up, in_at + inter + c, BF16), BF16);
+        }
+    }
+}
+
+void silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16) {
+    if (is_bf16)
+        silu_mul_rows(gate_up, out, rows, inter, 1);
+    else
+        silu_mul_rows(gate_up, out, rows, inter, 0);
+}
+
+/* RoPE on the queries and keys of the fused projection's output, in place, then the keys and
+ * values into one layer's paged pool at each token's slot. qkv: [tokens, (heads + 2 kv_heads)
+ * * dim] (queries, keys, values); cos, sin: [tokens, dim]; the pools: [kv_heads, num_slots,
+ * dim]. As HF's x * cos + rotate_half(x) * sin, rounded after each op. */
+static inline __attribute__((always_inline)) void rope_write_rows(
+    void *qkv, const void *cos, const void *sin, void *k_pool, void *v_pool,
+    const int64_t *slots, int tokens, int heads, int kv_heads, int dim, int num_slots,
+    const int BF16) {
+    const int half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+    const size_t head_bytes = (size_t)dim * (BF16 ? 2 : 4);
+#pragma omp parallel for schedule(static) if (tokens >= PARALLEL_ROWS)
+    for (int t = 0; t < tokens; t++) {
+        const int64_t row = (int64_t)t * width, angles = (int64_t)t * dim;
+        for (int h = 0; h < heads + kv_heads; h++) {
+            const int64_t at = row + (int64_t)h * dim;
+            for (int c = 0; c < half; c += 16) {
+                const f16v x1 = load_v(qkv, at + c, BF16), x2 = load_v(qkv, at + half + c, BF16);
+                const f16v c1 = load_v(cos, angles + c, BF16), c2 = load_v(cos, angles + half + c, BF16);
+                const f16v s1 = load_v(sin, angles + c, BF16), s2 = load_v(sin, angles + half + c, BF16);
+                store_v(qkv, at + c, rnd(x1 * c1, BF16) + rnd(-x2 * s1, BF16), BF16);
+                store_v(qkv, at + half + c, rnd(x2 * c2, BF16) + rnd(x1 * s2, BF16), BF16);
+            }
+        }
+        const char *keys = (const char *)qkv + (row + (int64_t)heads * dim) * (BF16 ? 2 : 4);
+        const char *values = keys + (size_t)kv_heads * head_bytes;
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t slot = (int64_t)h * num_slots + slots[t];
+            memcpy((char *)k_pool + slot * head_bytes, keys + h * head_bytes, head_bytes);
+            memcpy((char *)v_pool + slot * head_bytes, values + h * head_bytes, head_bytes);
+        }
+    }
+}
+
+void rope_write(void *qkv, const void *cos, const void *sin, void *k_pool, void *v_pool,
+                const int64_t *slots, int tokens, int heads, int kv_heads, int dim,
+                int num_slots, int is_bf16) {
+    if (is_bf16)
+        rope_write_rows(qkv, cos, sin, k_pool, v_pool, slots, tokens, heads, kv_heads, dim,
+                        num_slots, 1);
+    else
+        rope_write_rows(qkv, cos, sin, k_pool, v_pool, slots, tokens, heads, kv_heads, dim,
+                        num_slots, 0);
+}

@@ -1,0 +1,373 @@
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef uint32_t u32v __attribute__((vector_size(64)));
+typedef uint16_t u16v __attribute__((vector_size(32)));
+typedef int32_t i32v __attribute__((vector_size(64)));
+
+#define MAX_GROUP 16
+#define MAX_DIMV 16
+
+static inline f16v load_bf16(const uint16_t *p) {
+    u16v h;
+    memcpy(&h, p, sizeof h);
+    return (f16v)(__builtin_convertvector(h, u32v) << 16);
+}
+
+static inline f16v load_f32(const float *p) {
+    f16v v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline f16v load_any(const void *base, int64_t at, int is_bf16) {
+    return is_bf16 ? load_bf16((const uint16_t *)base + at) : load_f32((const float *)base + at);
+}
+
+static inline float hsum(f16v v) {
+    v += __builtin_shuffle(v, (i32v){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (i32v){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (i32v){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (i32v){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* e^x for x <= 0 (a score less its row's largest): 2^n e^f, n = round(x log2 e),
+ * |f| <= ln2 / 2, by the Taylor series to degree 6 (relative error about 1e-7). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float t = x * 1.4426950409f;
+    const float n = rintf(t);
+    const float f = (t - n) * 0.6931471806f;
+    float p = 1.f / 720;
+    p = p * f + 1.f / 120;
+    p = p * f + 1.f / 24;
+    p = p * f + 1.f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+typedef struct {
+    const void *q, *k_pool, *v_pool; /* [rows, heads, dim]; [kv_heads, blocks, block_size, dim] */
+    const int32_t *tables, *lengths; /* [rows, max_blocks]; [rows] */
+    void *out;                       /* [rows, heads, dim] */
+    int rows, heads, kv_heads, num_blocks, block_size, dim, max_blocks;
+    float scale;
+} Step;
+
+static inline __attribute__((always_inline)) int attend(const Step *s, const int DIMV,
+                                                        const int BF16) {
+    const int group = s->heads / s->kv_heads, dim = s->dim, bs = s->block_size;
+    const int max_len = s->max_blocks * bs > 0 ? s->max_blocks * bs : 1;
+    const int items = s->rows * s->kv_heads;
+    int status = 0;
+#pragma omp parallel if (items > 1)
+    {
+        float *scores = malloc(sizeof(float) * group * max_len);
+        if (scores == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+        f16v q[MAX_GROUP][MAX_DIMV], acc[MAX_GROUP][MAX_DIMV];
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; item++) {
+            if (scores == NULL) continue;
+            const int row = item / s->kv_heads, kvh = item % s->kv_heads;
+            const int len = s->lengths[row];
+            const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
+            const int64_t q_at = ((int64_t)row * s->heads + (int64_t)kvh * group) * dim;
+            for (int g = 0; g < group; g++)
+                for (int c = 0; c < DIMV; c++)
+                    q[g][c] = load_any(s->q, q_at + g * dim + c * 16, BF16) * s->scale;
+            const int64_t head_at = (int64_t)kvh * s->num_blocks;
+            for (int p = 0; p < len; p++) { /* the scores: each key read once */
+                const int64_t at = ((head_at + table[p / bs]) * bs + p % bs) * dim;
+                f16v k[MAX_DIMV];
+                for (int c = 0; c < DIMV; c++) k[c] = load_any(s->k_pool, at + c * 16, BF16);
+                for (int g = 0; g < group; g++) {
+                    f16v dot = q[g][0] * k[0];
+                    for (int c = 1; c < DIMV; c++) dot += q[g][c] * k[c];
+                    scores[g * max_len + p] = hsum(dot);
+                }
+            }
+            for (int g = 0; g < group; g++) { /* their softmax */
+                float *sc = scores + g * max_len, top = -INFINITY, sum = 0.f;
+                for (int p = 0; p < len; p++) top = sc[p] > top ? sc[p] : top;
+                for (int p = 0; p < len; p++) {
+                    sc[p] = exp_nonpositive(sc[p] - top);
+                    sum += sc[p];
+                }
+                const float inv = 1.f / sum;
+                for (int p = 0; p < len; p++) sc[p] *= inv;
+                for (int c = 0; c < DIMV; c++) acc[g][c] = (f16v){0};
+            }
+            for (int p = 0; p < len; p++) { /* the weighted values: each value read once */
+                const int64_t at = ((head_at + table[p / bs]) * bs + p % bs) * dim;
+                f16v v[MAX_DIMV];
+                for (int c = 0; c < DIMV; c++) v[c] = load_any(s->v_pool, at + c * 16, BF16);
+                for (int g = 0; g < group; g++) {
+                    const float w = scores[g * max_len + p];
+                    for (int c = 0; c < DIMV; c++) acc[g][c] += w * v[c];
+                }
+            }
+            for (int g = 0; g < group; g++) {
+                for (int c = 0; c < DIMV; c++) {
+                    const int64_t at = q_at + g * dim + c * 16;
+                    if (BF16) {
+                        uint16_t *out = (uint16_t *)s->out + at;
+                        for (int i = 0; i < 16; i++) out[i] = to_bf16(acc[g][c][i]);
+                    } else {
+                        memcpy((float *)s->out + at, &acc[g][c], sizeof(f16v));
+                    }
+                }
+            }
+        }
+        free(scores);
+    }
+    return status;
+}
+
+/* The common head dimensions get their own copy, with the vector count a constant. */
+static int attend_64_bf16(const Step *s) { return attend(s, 4, 1); }
+static int attend_64_f32(const Step *s) { return attend(s, 4, 0); }
+static int attend_128_bf16(const Step *s) { return attend(s, 8, 1); }
+static int attend_128_f32(const Step *s) { return attend(s, 8, 0); }
+static int attend_any_bf16(const Step *s) { return attend(s, s->dim / 16, 1); }
+static int attend_any_f32(const Step *s) { return attend(s, s->dim / 16, 0); }
+
+int paged_decode(const void *q, const void *k_pool, const void *v_pool,
+                 const int32_t *tables, const int32_t *lengths, void *out,
+                 int rows, int heads, int kv_heads, int num_blocks, int block_size, int dim,
+                 int max_blocks, int is_bf16, float scale) {
+    if (dim % 16 || dim / 16 > MAX_DIMV || kv_heads < 1 || heads % kv_heads ||
+        heads / kv_heads > MAX_GROUP)
+        return -2;
+    const Step s = {q, k_pool, v_pool, tables, lengths, out,
+                    rows, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale};
+    if (dim == 64) return is_bf16 ? attend_64_bf16(&s) : attend_64_f32(&s);
+    if (dim == 128) return is_bf16 ? attend_128_bf16(&s) : attend_128_f32(&s);
+    return is_bf16 ? attend_any_bf16(&s) : attend_any_f32(&s);
+}
+
+/* ---- Prompt (prefill) attention: bf16 on CPUs with AVX512-BF16 dot products ---------------
+ * One sequence's chunk of `n` queries at positions start .. start + n - 1 over its keys
+ * 0 .. start + n - 1, causal. For each KV head, the keys and values are first packed out of
+ * the paged pool into the layouts the dot-product instruction reads (pairs of bf16 in 32-bit
+ * words: keys as [16-key block][dim pair][key], values as [key pair][dim]); then for each tile
+ * of 16 query positions (times the head's query group) three passes: the scores (exact
+ * products, fp32 sums), their causal softmax in fp32, and the weights (rounded to bf16, as
+ * torch's SDPA does for bf16) times the values, summed in fp32. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#define TILE 16   /* query positions per tile */
+#define ROWS_QK 8 /* query rows scored together: one key load serves them all */
+
+int prefill_available(void) { return 1; }
+
+typedef struct {
+    const uint16_t *q, *k_pool, *v_pool; /* [n, heads, dim]; [kv_heads, blocks, block_size, dim] */
+    const int32_t *table;                /* the sequence's block table */
+    uint16_t *out;                       /* [n, heads, dim] */
+    int n, start, heads, kv_heads, num_blocks, block_size, dim;
+    float scale;
+} Prefill;
+
+static inline const uint32_t *pool_row(const Prefill *s, const uint16_t *pool, int kvh, int pos) {
+    const int bs = s->block_size;
+    const int64_t block = (int64_t)kvh * s->num_blocks + s->table[pos / bs];
+    return (const uint32_t *)(pool + (block * bs + pos % bs) * s->dim);
+}
+
+static inline __m512 exp512_nonpositive(__m512 x) { /* as exp_nonpositive, 16 lanes */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950409f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471806f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void prefill_pack(const Prefill *s, int kvh, uint32_t *kp, uint32_t *vp) {
+    const int dim = s->dim, half = dim / 2;
+    const int keys = s->start + s->n, key_blocks = (keys + 15) / 16;
+    /* keys [block][pair][16 keys], values [key pair][dim], zero past the last key */
+    for (int key = 0; key < key_blocks * 16; key++) {
+        uint32_t *dst = kp + (int64_t)(key / 16) * half * 16 + key % 16;
+        if (key < keys) {
+            const uint32_t *src = pool_row(s, s->k_pool, kvh, key);
+            for (int p = 0; p < half; p++) dst[p * 16] = src[p];
+        } else {
+            for (int p = 0; p < half; p++) dst[p * 16] = 0;
+        }
+    }
+    for (int pair = 0; pair < key_blocks * 8; pair++) {
+        uint32_t *dst = vp + (int64_t)pair * dim;
+        const int key = 2 * pair;
+        const uint16_t *lo = key < keys ? (const uint16_t *)pool_row(s, s->v_pool, kvh, key) : 0;
+        const uint16_t *hi =
+            key + 1 < keys ? (const uint16_t *)pool_row(s, s->v_pool, kvh, key + 1) : 0;
+        for (int d = 0; d < dim; d++)
+            dst[d] = (lo ? lo[d] : 0u) | (uint32_t)(hi ? hi[d] : 0u) << 16;
+    }
+}
+
+/* One tile: queries i0 .. i0 + 15 of KV head kvh's query group, over the packed kp, vp. */
+static inline __attribute__((always_inline)) void prefill_tile(
+    const Prefill *s, int kvh, int i0, const int DIMV, const uint32_t *kp, const uint32_t *vp,
+    float *sc, uint32_t *pw, int stride) {
+    const int dim = DIMV * 16, half = DIMV * 8, group = s->heads / s->kv_heads;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int tn = s->n - i0 < TILE ? s->n - i0 : TILE, rows = tn * group;
+    const int tile_blocks = (s->start + i0 + tn - 1) / 16 + 1;
+    /* row r: query position i0 + r % tn of the group's head r / tn */
+    const uint32_t *q[TILE * 16];
+    for (int r = 0; r < rows; r++)
+        q[r] = (const uint32_t *)(s->q + ((int64_t)(i0 + r % tn) * s->heads +
+                                          (int64_t)kvh * group + r / tn) * dim);
+    for (int r0 = 0; r0 < rows; r0 += ROWS_QK) { /* scores */
+        const uint32_t *qr[ROWS_QK];
+        for (int j = 0; j < ROWS_QK; j++) qr[j] = q[r0 + j < rows ? r0 + j : r0];
+        for (int b = 0; b < tile_blocks; b++) {
+            const uint32_t *kb = kp + (int64_t)b * half * 16;
+            __m512 acc[ROWS_QK];
+            for (int j = 0; j < ROWS_QK; j++) acc[j] = _mm512_setzero_ps();
+            for (int p = 0; p < half; p++) {
+                const __m512bh k = (__m512bh)_mm512_load_si512(kb + p * 16);
+                for (int j = 0; j < ROWS_QK; j++)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], k,
+                                              (__m512bh)_mm512_set1_epi32((int)qr[j][p]));
+            }
+            for (int j = 0; j < ROWS_QK && r0 + j < rows; j++)
+                _mm512_store_ps(sc + (int64_t)(r0 + j) * stride + b * 16,
+                                _mm512_mul_ps(acc[j], _mm512_set1_ps(s->scale)));
+        }
+    }
+    for (int r = 0; r < rows; r++) { /* causal softmax, weights to bf16 pairs */
+        float *row = sc + (int64_t)r * stride;
+        const int len = s->start + i0 + r % tn + 1;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int b = 0; b < tile_blocks; b++) {
+            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
+            top = _mm512_mask_max_ps(top, m, top, _mm512_load_ps(row + b * 16));
+        }
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int b = 0; b < tile_blocks; b++) {
+            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
+            const __m512 e = _mm512_maskz_mov_ps(
+                m, exp512_nonpositive(_mm512_sub_ps(_mm512_load_ps(row + b * 16), max)));
+            _mm512_store_ps(row + b * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        uint32_t *w = pw + (int64_t)r * (stride / 2);
+        for (int b = 0; b < tile_blocks; b++) {
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + b * 16), inv));
+            _mm256_store_si256((__m256i *)(w + b * 8), (__m256i)h);
+        }
+    }
+    /* weights times values: RPV rows at once, DIMV vectors each */
+    const int RPV = DIMV >= 16 ? 1 : 16 / DIMV;
+    for (int r0 = 0; r0 < rows; r0 += RPV) {
+        __m512 o[16];
+        for (int j = 0; j < RPV * DIMV; j++) o[j] = _mm512_setzero_ps();
+        const uint32_t *w[16];
+        for (int j = 0; j < RPV; j++) w[j] = pw + (int64_t)(r0 + j < rows ? r0 + j : r0) * (stride / 2);
+        for (int pair = 0; pair < tile_blocks * 8; pair++) {
+            const uint32_t *vrow = vp + (int64_t)pair * dim;
+            for (int c = 0; c < DIMV; c++) {
+                const __m512bh v = (__m512bh)_mm512_load_si512(vrow + c * 16);
+                for (int j = 0; j < RPV; j++)
+                    o[j * DIMV + c] = _mm512_dpbf16_ps(
+                        o[j * DIMV + c], v, (__m512bh)_mm512_set1_epi32((int)w[j][pair]));
+            }
+        }
+        for (int j = 0; j < RPV && r0 + j < rows; j++) {
+            const int r = r0 + j;
+            uint16_t *dst = s->out + ((int64_t)(i0 + r % tn) * s->heads +
+                                      (int64_t)kvh * group + r / tn) * dim;
+            for (int c = 0; c < DIMV; c++)
+                _mm256_storeu_si256((__m256i *)(dst + c * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(o[j * DIMV + c]));
+        }
+    }
+}
+
+/* The tiles of every KV head shared out over torch's own OpenMP threads (the kernel links the
+ * libgomp torch has loaded, so no second pool competes with torch's), longest tiles first. */
+static int prefill_run(const Prefill *s, const int DIMV) {
+    const int keys = s->start + s->n, key_blocks = (keys + 15) / 16, dim = DIMV * 16;
+    const int group = s->heads / s->kv_heads, stride = key_blocks * 16;
+    const int64_t words = (int64_t)key_blocks * 8 * dim; /* packed keys of a head; values alike */
+    uint32_t *kp = aligned_alloc(64, (size_t)words * 2 * s->kv_heads * 4);
+    if (kp == NULL) return -1;
+    uint32_t *vp = kp + words * s->kv_heads;
+    const int tiles = (s->n + TILE - 1) / TILE, items = tiles * s->kv_heads;
+    int status = 0;
+#pragma omp parallel for if (items > 1)
+    for (int kvh = 0; kvh < s->kv_heads; kvh++)
+        prefill_pack(s, kvh, kp + kvh * words, vp + kvh * words);
+#pragma omp parallel if (items > 1)
+    {
+        float *sc = aligned_alloc(64, (size_t)TILE * group * stride * 4);
+        uint32_t *pw = aligned_alloc(64, (size_t)TILE * group * stride * 2);
+        if (sc == NULL || pw == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = items - 1; item >= 0; item--) {
+            if (sc == NULL || pw == NULL) continue;
+            const int kvh = item % s->kv_heads, i0 = item / s->kv_heads * TILE;
+            prefill_tile(s, kvh, i0, DIMV, kp + kvh * words, vp + kvh * words, sc, pw, stride);
+        }
+        free(sc), free(pw);
+    }
+    free(kp);
+    return status;
+}
+
+static int prefill_64(const Prefill *s) { return prefill_run(s, 4); }
+static int prefill_128(const Prefill *s) { return prefill_run(s, 8); }
+static int prefill_any(const Prefill *s) { return prefill_run(s, s->dim / 16); }
+
+int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
+                  int block_size, int dim, float scale) {
+    if (dim % 32 || dim / 16 > MAX_DIMV || kv_heads < 1 || heads % kv_heads ||
+        heads / kv_heads > MAX_GROUP || n < 1 || start < 0)
+        return -2;
+    const Prefill s = {q, k_pool, v_pool, table, out, n, start,
+                       heads, kv_heads, num_blocks, block_size, dim, scale};
+    if (dim == 64) return prefill_64(&s);
+    if (dim == 128) return prefill_128(&s);
+    return prefill_any(&s);
+}
+#else
+int prefill_available(void) { return 0; }
+int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
+                  int block_size, int dim, float scale) {
+    return -3; /* not built for this CPU: the caller takes torch's SDPA */
+}
+#endif
