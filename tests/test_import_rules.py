@@ -24,6 +24,7 @@ TORCH_ALLOWED = (
     "bench.export_hf",
     "bench.gpu_check",
     "bench.gpu_model",
+    "bench.kv_transfer",
 )
 
 

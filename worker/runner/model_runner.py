@@ -20,6 +20,7 @@ import torch
 from shared.protocol import SamplingParams
 from worker.runner import cpu_attention, sampler
 from worker.runner.decode_graphs import DecodeGraphs, DecodeInputs, GraphBuckets
+from worker.runner.kv_blocks import KVLayout, read_blocks, write_blocks
 from worker.runner.llama import LlamaForward
 from worker.runner.loader import LoadedModel
 from worker.runner.paged_attention import (
@@ -261,6 +262,21 @@ class ModelRunner:
             logits_to_keep=keep_rows,
             **{STEP_KWARG: step},
         ).logits[0]
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout.of_pool(self._k_pool)
+
+    def export_kv(self, block_ids: list[int]) -> memoryview:
+        """A sequence's KV blocks (its block table's ids, in order) as bytes: the payload of
+        a hand-off to another worker (`kv_blocks.py`)."""
+        return read_blocks(self._k_pool, self._v_pool, block_ids)
+
+    def import_kv(
+        self, block_ids: list[int], layout: KVLayout, payload: memoryview | bytes
+    ) -> None:
+        """Blocks exported by a runner of `layout`, into this pool at `block_ids`."""
+        write_blocks(self._k_pool, self._v_pool, block_ids, layout, payload)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
