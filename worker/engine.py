@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -139,6 +139,21 @@ class ContinuousBatchingEngine:
         if (refusal := guard.refusal(seq.prompt_token_ids, seq.sampling, vocab_size)) is not None:
             return seq.refuse(*refusal)
         return self.scheduler.add(seq)
+
+    def adopt(self, seq: Sequence, fill: Callable[[list[int]], None]) -> bool:
+        """A sequence handed over by the worker that computed its prompt (its first token
+        adopted, `Sequence.adopt_first_token`): it joins the batch if there is room
+        (`Scheduler.adopt`), and `fill(block_ids)` puts the KV it was sent into its blocks
+        (`ModelRunner.import_kv`). False: no room now, nothing taken. If `fill` raises, the
+        sequence is let go again and the error raised."""
+        if not self.scheduler.adopt(seq):
+            return False
+        try:
+            fill(list(seq.block_table))
+        except Exception:
+            self._released(self.scheduler.abort({seq.request_id}))
+            raise
+        return True
 
     def abort(self, request_ids: set[str]) -> list[SequenceOutput]:
         return self._released(self.scheduler.abort(request_ids))

@@ -164,6 +164,31 @@ class Scheduler:
             self._watch(seq, min(deadlines))
         return None
 
+    def adopt(self, seq: Sequence) -> bool:
+        """Take a sequence whose prompt another worker computed (a prefill/decode hand-off,
+        issue 22) straight into the batch: blocks for every token but its last, which the
+        caller fills with the KV it was sent (`seq.block_table`), its next step a decode of
+        its last token. False, leaving it as it was, while the batch or the KV cache has no
+        room for it: a decode worker takes hand-offs by its free capacity, never more than
+        it can hold. Its prompt was charged to its tenant where it was computed; its decodes
+        are charged here."""
+        if seq.block_table or seq.status is not SequenceStatus.WAITING or not seq.output_token_ids:
+            raise RuntimeError("adopt of a sequence that is not a hand-off")
+        num_computed = seq.num_tokens - 1
+        if len(self.running) >= self.config.max_num_seqs or not self.kv_cache.can_allocate(
+            seq, num_computed
+        ):
+            return False
+        self.kv_cache.allocate(seq, num_computed)
+        seq.num_computed_tokens = seq.num_charged_tokens = num_computed
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._tenants_added.add(seq.tenant_id)
+        deadlines = [d for d in (seq.queue_deadline_s, seq.deadline_s) if d is not None]
+        if deadlines:
+            self._watch(seq, min(deadlines))
+        return True
+
     def _watch(self, seq: Sequence, at_s: float) -> None:
         if len(self._deadlines) > 2 * (self.num_running + self.num_waiting) + 64:
             self._deadlines = [item for item in self._deadlines if not item[2].is_finished]

@@ -114,6 +114,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def adopt_first_token(self, token_id: int) -> None:
+        """The first output token, sampled by the worker that computed the prompt (a
+        prefill/decode hand-off): recorded, and fed to the detokenizer so the text of the
+        tokens after it decodes as it would have here; its own text that worker sent."""
+        if self.output_token_ids:
+            raise RuntimeError("adopt_first_token of a sequence that has output")
+        self.output_token_ids.append(token_id)
+        self.detokenizer.add_token(token_id)
+
     def append_token(self, token_id: int) -> SequenceOutput:
         """Record a sampled token, decide whether the sequence is done, and say what to send."""
         self.output_token_ids.append(token_id)
