@@ -71,6 +71,21 @@ def bench(
     ] = False,
     roofline_batch: Annotated[list[int] | None, typer.Option()] = None,
     roofline_context: int = 256,
+    disaggregation: Annotated[
+        bool,
+        typer.Option(
+            help="The workload aggregated (two workers doing both phases) and disaggregated "
+            "(a prefill and a decode worker), side by side; with --simulate only, for now "
+            "(bench/disagg_sim.py)."
+        ),
+    ] = False,
+    network_gbps: Annotated[
+        float, typer.Option(help="--disaggregation: the KV link's bandwidth, Gbit/s.")
+    ] = 100.0,
+    kv_bytes_per_token: Annotated[
+        int,
+        typer.Option(help="--disaggregation: KV bytes a token (default: the default model, bf16)."),
+    ] = 23040,
     step_times: Annotated[
         bool,
         typer.Option(
@@ -319,6 +334,32 @@ def bench(
         )
         _platform_load(plan, json_path)
         return
+    if disaggregation:
+        if simulate is None:
+            raise typer.BadParameter(
+                "--disaggregation runs with --simulate cpu|flat for now: prefill and decode "
+                "workers (--role) are not built yet (issue 22)"
+            )
+        _disaggregation(
+            [
+                f"--cost={simulate}",
+                f"--network-gbps={network_gbps}",
+                f"--kv-bytes-per-token={kv_bytes_per_token}",
+                f"--num-requests={num_requests}",
+                f"--rate-per-s={rate_per_s}",
+                f"--seed={seed}",
+                f"--prompt-tokens-min={prompt_tokens_min}",
+                f"--prompt-tokens-max={prompt_tokens_max}",
+                f"--output-tokens-mean={output_tokens_mean}",
+                f"--output-tokens-max={output_tokens_max}",
+                f"--long-prompt-fraction={long_prompt_fraction}",
+                f"--long-prompt-tokens={long_prompt_tokens}",
+                f"--max-num-seqs={max_num_seqs}",
+                f"--max-num-batched-tokens={max_num_batched_tokens}",
+                *([f"--json={json_path}"] if json_path else []),
+            ]
+        )
+        return
     if step_times:
         _step_times(source, dtype, step_forward or ["hf", "own"], json_path)
         return
@@ -460,6 +501,12 @@ def _pool_spike(plan: SpikePlan, json_path: str | None) -> None:
     typer.echo(pool_spike.format_report(result))
     if json_path:
         report.write_json(json_path, result)
+
+
+def _disaggregation(argv: list[str]) -> None:
+    from bench import disagg_sim
+
+    disagg_sim.main(argv)
 
 
 def _step_times(source: str, dtype: str, forwards: list[str], json_path) -> None:

@@ -277,8 +277,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
-    args = _parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """Also `llmfleet bench --disaggregation --simulate cpu|flat` (bench/command.py)."""
+    args = _parser().parse_args(argv)
     result = compare(args)
     print(f"{'mode':14} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'goodput':>8} {'in SLO':>7} {'KV MB':>6} {'xfer ms':>7}")  # fmt: skip

@@ -3,6 +3,8 @@ with the real scheduler in every worker and hand-offs adopted by the decode work
 
 from __future__ import annotations
 
+import json
+
 from bench import disagg_sim
 from bench.simulate import COST_MODELS
 from bench.workload import make_workload
@@ -40,3 +42,21 @@ def test_every_request_gets_all_its_tokens_once_in_both_modes():
             assert all(t.kv_bytes == t.num_prompt_tokens * link.kv_bytes_per_token for t in moved)
             # The second token comes after the first's KV crossed the link.
             assert all(t.token_times_s[1] - t.token_times_s[0] >= t.transfer_s for t in moved)
+
+
+def test_llmfleet_bench_runs_the_comparison_in_simulation_and_says_why_not_otherwise(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = tmp_path / "disagg.json"
+    result = CliRunner().invoke(
+        app,
+        ["bench", "--disaggregation", "--simulate", "flat", "--num-requests", "60",
+         "--long-prompt-fraction", "0.2", "--json", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "ITL p99 aggregated / disaggregated" in result.output
+    assert set(json.loads(out.read_text())["modes"]) == {"aggregated", "disaggregated"}
+    refused = CliRunner().invoke(app, ["bench", "--disaggregation"])
+    assert refused.exit_code != 0 and "not built yet" in refused.output
