@@ -116,3 +116,54 @@ def test_a_hand_off_whose_kv_cannot_be_taken_is_let_go():
     with pytest.raises(ValueError):
         engine.adopt(seq, fail)
     assert not scheduler.running and scheduler.kv_cache.num_free_blocks == 32
+
+
+def test_a_seeded_sampler_goes_on_drawing_where_the_prefill_worker_stopped():
+    """The sampling state travels with the KV: a seeded request at temperature 1 samples the
+    same tokens handed off as served by one worker, and not without the state."""
+    loaded = tiny_model.attentive("llama")
+    prompt = list(range(1000, 1030))
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+
+    def engine(runner: ModelRunner) -> ContinuousBatchingEngine:
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+            KVCacheManager(32, BLOCK_SIZE),
+            FairQueue(),
+            TenantAwarePreemption(),
+        )
+        return ContinuousBatchingEngine(scheduler, runner)
+
+    def seeded_sequence():
+        request = make_request(0, prompt, 12)
+        return make_sequence_for(request.model_copy(update={"sampling": params}), CharDecoder())
+
+    alone = engine(ModelRunner(loaded, 32, BLOCK_SIZE, "own"))
+    expected = seeded_sequence()
+    alone.add(expected)
+    while alone.has_work():
+        alone.step()
+
+    def handed_off(with_state: bool) -> list[int]:
+        prefill_runner = ModelRunner(loaded, 32, BLOCK_SIZE, "own")
+        blocks = list(range(8))
+        chunk = ChunkInput("r0", prompt, 0, blocks, params)
+        first = prefill_runner.execute(StepBatch([], [chunk]))[0]
+        payload, state = (
+            prefill_runner.export_kv(blocks),
+            prefill_runner.export_sampling_state("r0"),
+        )
+        decode_runner = ModelRunner(loaded, 32, BLOCK_SIZE, "own")
+        if with_state:
+            decode_runner.import_sampling_state("r0", params, state)
+        decode = engine(decode_runner)
+        seq = seeded_sequence()
+        seq.adopt_first_token(first)
+        layout = prefill_runner.kv_layout
+        assert decode.adopt(seq, lambda ids: decode_runner.import_kv(ids, layout, payload))
+        while decode.has_work():
+            decode.step()
+        return seq.output_token_ids
+
+    assert handed_off(with_state=True) == expected.output_token_ids
+    assert handed_off(with_state=False) != expected.output_token_ids

@@ -278,6 +278,22 @@ class ModelRunner:
         """Blocks exported by a runner of `layout`, into this pool at `block_ids`."""
         write_blocks(self._k_pool, self._v_pool, block_ids, layout, payload)
 
+    def export_sampling_state(self, request_id: str) -> bytes | None:
+        """The request's sampler state (its random generator's, after the draws made here),
+        for a hand-off: the receiving runner then draws what this one would have. None for
+        greedy requests, or before its first sample."""
+        generator = self._generators.get(request_id)
+        return None if generator is None else bytes(generator.get_state().numpy().data)
+
+    def import_sampling_state(
+        self, request_id: str, params: SamplingParams, state: bytes | None
+    ) -> None:
+        """Continue the request's draws from `state` (`export_sampling_state`'s)."""
+        generator = sampler.make_generator(params, self._device)
+        if generator is not None and state is not None:
+            generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self._generators[request_id] = generator
+
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
