@@ -6,10 +6,10 @@ fair queue in every worker and a step-cost model for the device (`bench/simulate
 - **aggregated**: two workers that each do both phases, pulling new requests whenever they
   have free places in the batch (as workers pull from the tenant streams): a long prompt's
   chunks share steps with the decodes, and every decode of the step waits for them;
-- **disaggregated**: a prefill worker computes each prompt and its first token (the
-  request ends there for it), then the sequence's KV crosses the network (its bytes over the
-  link's bandwidth) and the decode worker adopts it (`Scheduler.adopt`, only when it has
-  room) and streams the rest; its steps carry decodes only.
+- **disaggregated**: a prefill worker computes each prompt and its first token, then hands
+  the sequence off (`ContinuousBatchingEngine`'s `hand_off`): its KV crosses the network (its
+  bytes over the link's bandwidth) and the decode worker adopts it (`Scheduler.adopt`, only
+  when it has room) and streams the rest; its steps carry decodes only.
 
 Each worker has its own virtual clock; the loop always advances the worker whose clock is
 earliest, so whatever happens before a step is known to it. Items that arrive during a step
@@ -37,7 +37,8 @@ from bench.engine_direct import sequence_of
 from bench.simulate import COST_MODELS, NullDecoder, StepCost, VirtualClock, build_engine
 from bench.workload import RequestSpec, TenantSpec, make_workload
 from worker.config import EngineConfig
-from worker.engine import ContinuousBatchingEngine
+from worker.engine import ContinuousBatchingEngine, HandOff
+from worker.sequence import Sequence
 
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # the default model in bf16 (23,040)
 TENANT = TenantSpec("bench")
@@ -84,9 +85,15 @@ class Worker:
         return max(self.clock.now_s, min(candidates)) if candidates else None
 
 
-def _start(config: EngineConfig, cost: StepCost, name: str, takes_arrivals: bool) -> Worker:
+def _start(
+    config: EngineConfig,
+    cost: StepCost,
+    name: str,
+    takes_arrivals: bool,
+    hand_off: HandOff | None = None,
+) -> Worker:
     clock = VirtualClock(now_s=0.0)
-    engine = build_engine(config, clock, cost)
+    engine = build_engine(config, clock, cost, hand_off)
     # The scheduler cuts late chunks of a long prompt for the CPU, where a chunk's attention
     # costs its tokens times its context; these cost models charge per token only.
     scheduler = engine.scheduler
@@ -110,13 +117,19 @@ def run(
     if mode == "aggregated":
         workers = [_start(config, cost, f"both-{i}", True) for i in range(2)]
     elif mode == "disaggregated":
-        workers = [
-            _start(config, cost, "prefill", True),
-            _start(decode_config or config, cost, "decode", False),
-        ]
+        decode = _start(decode_config or config, cost, "decode", False)
+
+        def hand_off(seq: Sequence, block_ids: list[int]) -> bool:
+            trace = traces[int(seq.request_id)]
+            trace.transfer_s = link.transfer_s(seq.num_computed_tokens)
+            trace.kv_bytes = seq.num_computed_tokens * link.kv_bytes_per_token
+            decode.handoffs.append((prefill.clock.now_s + trace.transfer_s, int(seq.request_id)))
+            return True
+
+        prefill = _start(config, cost, "prefill", True, hand_off)
+        workers = [prefill, decode]
     else:
         raise ValueError(f"mode must be aggregated or disaggregated, not {mode!r}")
-    prefill, decode = workers
     while True:
         next_arrival_s = pending[0].arrival_s if pending else None
         timed = [
@@ -130,12 +143,10 @@ def run(
         if worker.takes_arrivals:
             while pending and pending[0].arrival_s <= now_s and worker.engine.num_free_slots() > 0:
                 spec = pending.popleft()
-                if mode == "disaggregated":  # the prefill worker's part ends at the first token
-                    spec = replace(spec, max_tokens=1)
                 worker.engine.add(sequence_of(spec, TENANT, NullDecoder()))
         while worker.handoffs and worker.handoffs[0][0] <= now_s:
             seq = sequence_of(specs[worker.handoffs[0][1]], TENANT, NullDecoder())
-            seq.adopt_first_token(0)
+            seq.adopt_first_token(0)  # the cost runner samples token 0
             if worker.engine.adopt(seq, lambda block_ids: None):
                 worker.handoffs.popleft()
             elif worker.engine.has_work():
@@ -147,21 +158,8 @@ def run(
         outputs = worker.engine.step()
         worker.num_steps += 1
         for output in outputs:
-            trace = traces[int(output.request_id)]
             if output.num_new_tokens:
-                trace.token_times_s.append(worker.clock.now_s)
-            handed_off = (
-                worker is prefill
-                and mode == "disaggregated"
-                and output.is_finished
-                and output.error is None
-                and specs[int(output.request_id)].max_tokens > 1
-            )
-            if handed_off:
-                trace.transfer_s = link.transfer_s(output.num_prompt_tokens)
-                trace.kv_bytes = output.num_prompt_tokens * link.kv_bytes_per_token
-                ready_s = worker.clock.now_s + trace.transfer_s
-                decode.handoffs.append((ready_s, int(output.request_id)))
+                traces[int(output.request_id)].token_times_s.append(worker.clock.now_s)
     return [traces[spec.index] for spec in workload]
 
 

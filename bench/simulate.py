@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from worker.config import EngineConfig
-from worker.engine import ContinuousBatchingEngine, build_scheduler
+from worker.engine import ContinuousBatchingEngine, HandOff, build_scheduler
 from worker.step_batch import SamplingFailure, StepBatch
 
 NUM_KV_BLOCKS = 8192  # 131k tokens of 16, unless a run sets its pool (burst-kv)
@@ -77,11 +77,12 @@ class CostRunner:
 
 
 def build_engine(
-    config: EngineConfig, clock: VirtualClock, cost: StepCost
+    config: EngineConfig, clock: VirtualClock, cost: StepCost, hand_off: HandOff | None = None
 ) -> ContinuousBatchingEngine:
-    """A continuous-batching engine as `worker.engine.build_engine` makes it, on `cost`."""
+    """A continuous-batching engine as `worker.engine.build_engine` makes it, on `cost`
+    (with `hand_off`: a prefill worker's, bench/disagg_sim.py)."""
     scheduler = build_scheduler(config, config.num_kv_blocks or NUM_KV_BLOCKS)
-    return ContinuousBatchingEngine(scheduler, CostRunner(clock, cost))
+    return ContinuousBatchingEngine(scheduler, CostRunner(clock, cost), hand_off)
 
 
 def engine_factory(cost: StepCost):

@@ -129,10 +129,20 @@ class StepRunner(Protocol):
     def release(self, request_id: str) -> None: ...
 
 
+# A prefill worker's hand-off (issue 22): called with a sequence that has just sampled its
+# first token and the ids of the blocks that hold its computed tokens. True: another worker
+# took it (the callback copied its KV and sampler state out of the runner first) and it
+# leaves this batch; False: it goes on decoding here.
+HandOff = Callable[[Sequence, list[int]], bool]
+
+
 class ContinuousBatchingEngine:
-    def __init__(self, scheduler: Scheduler, runner: StepRunner) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runner: StepRunner, hand_off: HandOff | None = None
+    ) -> None:
         self.scheduler = scheduler
         self._runner = runner
+        self._hand_off = hand_off
 
     def add(self, seq: Sequence) -> SequenceOutput | None:
         vocab_size = self._runner.vocab_size
@@ -230,7 +240,24 @@ class ContinuousBatchingEngine:
         for output in outputs:
             if output.is_finished:
                 self._runner.release(output.request_id)
+        if self._hand_off is not None:
+            self._offer_first_tokens(out)
         return outputs
+
+    def _offer_first_tokens(self, out: SchedulerOutput) -> None:
+        """Hand the sequences that sampled their first token in this step to other workers."""
+        assert self._hand_off is not None
+        block_size = self.scheduler.kv_cache.block_size
+        for chunk in out.chunks:
+            seq = chunk.seq
+            # (after `postprocess`: the chunk reached the token before the one it sampled)
+            sampled_first = chunk.end == seq.num_tokens - 1 and seq.num_output_tokens == 1
+            if seq.is_finished or not sampled_first:
+                continue
+            num_blocks = -(-seq.num_computed_tokens // block_size)
+            if self._hand_off(seq, seq.block_table[:num_blocks]):
+                self.scheduler.hand_off(seq)
+                self._runner.release(seq.request_id)
 
     def _take_out_failed_samples(
         self, out: SchedulerOutput, sampled: list[int | SamplingFailure]

@@ -189,6 +189,16 @@ class Scheduler:
             self._watch(seq, min(deadlines))
         return True
 
+    def hand_off(self, seq: Sequence) -> None:
+        """Let a running sequence go to another worker (a prefill worker's hand-off, issue 22)
+        once the caller has copied its KV out: its blocks are freed, and nothing here ends,
+        expires or outputs it again (it counts as finished here; its next tokens are the
+        other worker's)."""
+        if seq not in self.running:
+            raise RuntimeError("hand_off of a sequence that is not running")
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def _watch(self, seq: Sequence, at_s: float) -> None:
         if len(self._deadlines) > 2 * (self.num_running + self.num_waiting) + 64:
             self._deadlines = [item for item in self._deadlines if not item[2].is_finished]

@@ -167,3 +167,68 @@ def test_a_seeded_sampler_goes_on_drawing_where_the_prefill_worker_stopped():
 
     assert handed_off(with_state=True) == expected.output_token_ids
     assert handed_off(with_state=False) != expected.output_token_ids
+
+
+def test_a_prefill_engine_hands_each_sequence_over_at_its_first_token():
+    """Two engines in one process, a prefill worker's and a decode worker's: every request's
+    first token comes from the first, the rest from the second, the same tokens as one
+    worker alone; a hand-off nobody takes is decoded where it is."""
+    loaded = tiny_model.attentive("llama")
+    prompts = [list(range(1000, 1030)), [7, 7, 7, 7, 7, 7], list(range(2000, 2045, 3))]
+
+    def engine(runner: ModelRunner, hand_off=None) -> ContinuousBatchingEngine:
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+            KVCacheManager(32, BLOCK_SIZE),
+            FairQueue(quantum_tokens=8),
+            TenantAwarePreemption(),
+        )
+        return ContinuousBatchingEngine(scheduler, runner, hand_off)
+
+    def serve(eng: ContinuousBatchingEngine, seqs) -> dict[str, list[str]]:
+        texts: dict[str, list[str]] = {}
+        for seq in seqs:
+            assert eng.add(seq) is None
+        while eng.has_work():
+            for output in eng.step():
+                texts.setdefault(output.request_id, []).append(output.text)
+        return texts
+
+    def requests():
+        return [
+            make_sequence_for(make_request(i, p, 10, tenant_id=f"t{i}"), CharDecoder())
+            for i, p in enumerate(prompts)
+        ]
+
+    alone = requests()
+    serve(engine(ModelRunner(loaded, 32, BLOCK_SIZE, "own")), alone)
+
+    prefill_runner = ModelRunner(loaded, 32, BLOCK_SIZE, "own")
+    decode_runner = ModelRunner(loaded, 32, BLOCK_SIZE, "own")
+    decode = engine(decode_runner)
+    adopted = []
+
+    def hand_off(seq, block_ids: list[int]) -> bool:
+        if seq.request_id == "r1":
+            return False  # nobody takes it: the prefill worker decodes it itself
+        payload, layout = prefill_runner.export_kv(block_ids), prefill_runner.kv_layout
+        state = prefill_runner.export_sampling_state(seq.request_id)
+        taken = make_sequence_for(make_request(int(seq.request_id[1:]), seq.prompt_token_ids, 10,
+                                               tenant_id=seq.tenant_id), CharDecoder())  # fmt: skip
+        taken.adopt_first_token(seq.output_token_ids[0])
+        decode_runner.import_sampling_state(taken.request_id, taken.sampling, state)
+        assert decode.adopt(taken, lambda ids: decode_runner.import_kv(ids, layout, payload))
+        adopted.append(taken)
+        return True
+
+    prefill = engine(prefill_runner, hand_off)
+    mine = requests()
+    prefill_texts = serve(prefill, mine)
+    assert prefill.scheduler.kv_cache.num_free_blocks == 32  # nothing held after hand-offs
+    serve(decode, [])
+    by_id = {seq.request_id: seq for seq in adopted}
+    assert sorted(by_id) == ["r0", "r2"]
+    for expected, seq in zip(alone, mine, strict=True):
+        got = by_id.get(seq.request_id, seq).output_token_ids
+        assert got == expected.output_token_ids
+    assert len(prefill_texts["r0"]) == 1 and len(prefill_texts["r1"]) == 10  # r1 stayed
