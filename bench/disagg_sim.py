@@ -70,16 +70,15 @@ class Worker:
     engine: ContinuousBatchingEngine
     clock: VirtualClock
     takes_arrivals: bool
-    handoffs: deque = field(default_factory=deque)  # (ready_s, RequestSpec), in ready order
-    num_steps: int = 0
+    handoffs: deque = field(default_factory=deque)  # (ready_s, request index), ready order
 
     def next_s(self, next_arrival_s: float | None) -> float | None:
         """When this worker next has something to do, or None: nothing known yet."""
         if self.engine.has_work():
             return self.clock.now_s
-        candidates = [
-            s for s in (next_arrival_s if self.takes_arrivals else None,) if s is not None
-        ]
+        candidates = []
+        if self.takes_arrivals and next_arrival_s is not None:
+            candidates.append(next_arrival_s)
         if self.handoffs:
             candidates.append(self.handoffs[0][0])
         return max(self.clock.now_s, min(candidates)) if candidates else None
@@ -156,7 +155,6 @@ def run(
         if not worker.engine.has_work():
             continue
         outputs = worker.engine.step()
-        worker.num_steps += 1
         for output in outputs:
             if output.num_new_tokens:
                 traces[int(output.request_id)].token_times_s.append(worker.clock.now_s)

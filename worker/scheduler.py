@@ -158,10 +158,7 @@ class Scheduler:
                 f"holds at most {self.kv_cache.max_num_tokens_per_sequence} per sequence",
             )
         self.waiting.push(seq)
-        self._tenants_added.add(seq.tenant_id)
-        deadlines = [d for d in (seq.queue_deadline_s, seq.deadline_s) if d is not None]
-        if deadlines:
-            self._watch(seq, min(deadlines))
+        self._arrived(seq)
         return None
 
     def adopt(self, seq: Sequence) -> bool:
@@ -183,10 +180,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_charged_tokens = num_computed
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self._tenants_added.add(seq.tenant_id)
-        deadlines = [d for d in (seq.queue_deadline_s, seq.deadline_s) if d is not None]
-        if deadlines:
-            self._watch(seq, min(deadlines))
+        self._arrived(seq)
         return True
 
     def hand_off(self, seq: Sequence) -> None:
@@ -198,6 +192,13 @@ class Scheduler:
             raise RuntimeError("hand_off of a sequence that is not running")
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _arrived(self, seq: Sequence) -> None:
+        """A sequence new here: its tenant counts as present, its deadlines are watched."""
+        self._tenants_added.add(seq.tenant_id)
+        deadlines = [d for d in (seq.queue_deadline_s, seq.deadline_s) if d is not None]
+        if deadlines:
+            self._watch(seq, min(deadlines))
 
     def _watch(self, seq: Sequence, at_s: float) -> None:
         if len(self._deadlines) > 2 * (self.num_running + self.num_waiting) + 64:

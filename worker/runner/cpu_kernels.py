@@ -2,7 +2,7 @@
 
 The sources are in `csrc/` (`paged_attention.c`: attention over the paged KV cache,
 `cpu_attention.py`; `layer_ops.c`: a decoder layer's fused element-wise ops,
-`cpu_layer_ops.py`). The system's C compiler builds them into one library in a cache
+`cpu_layer_ops.py`; `vec.h`: the vector type and helpers both use). The system's C compiler builds them into one library in a cache
 directory (`LLMFLEET_KERNEL_CACHE`, else `~/.cache/llmfleet/kernels`; the file is named by a
 hash of the sources, the flags and the CPU's feature flags, since it is built for the CPU it
 runs on): no Python or torch headers, a few seconds to build. Their work is shared out with
@@ -33,7 +33,8 @@ from worker.runner.loader import cpu_flags
 
 log = logging.getLogger("llmfleet.worker")
 
-_SOURCES = ("paged_attention.c", "layer_ops.c")
+_SOURCES = ("paged_attention.c", "layer_ops.c")  # each includes "vec.h"
+_HEADERS = ("vec.h",)
 # Not -ffast-math: a shared library built with it (GCC before 13) sets the CPU's flush-to-zero
 # and denormals-are-zero modes for the whole process when it is loaded, and every float in
 # the process then reads a denormal as 0 (5e-324 became a temperature of 0).
@@ -58,7 +59,7 @@ def _cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     here = Path(__file__).parent / "csrc"
-    sources = {name: (here / name).read_text() for name in _SOURCES}
+    sources = {name: (here / name).read_text() for name in (*_HEADERS, *_SOURCES)}
     cpu = " ".join(sorted(cpu_flags()))  # -march=native: built for this CPU
     key = hashlib.sha256("\n".join([*sources.values(), *_FLAGS, cpu]).encode()).hexdigest()
     library = _cache_dir() / f"llmfleet-kernels-{key[:16]}.so"
@@ -66,12 +67,11 @@ def _build(compiler: str) -> Path:
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as build_dir:
-        paths = []
         for name, text in sources.items():
-            paths.append(Path(build_dir) / name)
-            paths[-1].write_text(text)
+            (Path(build_dir) / name).write_text(text)
         built = Path(build_dir) / library.name
-        command = [compiler, *_FLAGS, *map(str, paths), "-o", str(built), "-lm"]
+        paths = [str(Path(build_dir) / name) for name in _SOURCES]
+        command = [compiler, *_FLAGS, *paths, "-o", str(built), "-lm"]
         try:  # with OpenMP where the compiler has it; its pragmas are ignored without
             subprocess.run([*command, "-fopenmp"], check=True, capture_output=True, timeout=120)
         except subprocess.CalledProcessError:

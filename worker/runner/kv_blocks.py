@@ -40,7 +40,7 @@ class KVLayout:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block, keys and values."""
-        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        itemsize = getattr(torch, self.dtype).itemsize
         elements = self.num_layers * self.num_kv_heads * self.block_size * self.head_dim
         return 2 * elements * itemsize
 
@@ -48,8 +48,12 @@ class KVLayout:
 def read_blocks(k_pool: torch.Tensor, v_pool: torch.Tensor, block_ids: list[int]) -> memoryview:
     """The blocks' keys and values, one contiguous copy, as bytes (on the CPU)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=k_pool.device)
-    blocks = torch.stack([k_pool.index_select(2, index), v_pool.index_select(2, index)])
-    flat = blocks.cpu().contiguous().view(-1).view(torch.uint8)
+    layers, kv_heads, _, block_size, head_dim = k_pool.shape
+    shape = (2, layers, kv_heads, len(block_ids), block_size, head_dim)
+    blocks = k_pool.new_empty(shape)
+    torch.index_select(k_pool, 2, index, out=blocks[0])  # one copy, straight into place
+    torch.index_select(v_pool, 2, index, out=blocks[1])
+    flat = blocks.cpu().view(-1).view(torch.uint8)
     return flat.numpy().data.cast("B")
 
 

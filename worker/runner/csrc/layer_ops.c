@@ -9,25 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float f16v __attribute__((vector_size(64)));
-typedef uint32_t u32v __attribute__((vector_size(64)));
-typedef uint16_t u16v __attribute__((vector_size(32)));
-typedef int32_t i32v __attribute__((vector_size(64)));
+#include "vec.h"
 
 #define PARALLEL_ROWS 8 /* fewer rows than this run on the calling thread */
-
-static inline f16v load_v(const void *base, int64_t at, const int BF16) {
-    f16v v;
-    if (BF16) {
-        u16v h;
-        memcpy(&h, (const uint16_t *)base + at, sizeof h);
-        const u32v u = __builtin_convertvector(h, u32v) << 16;
-        memcpy(&v, &u, sizeof v);
-    } else {
-        memcpy(&v, (const float *)base + at, sizeof v);
-    }
-    return v;
-}
 
 /* Round to the nearest bf16, ties to even (torch's rounding); the identity for fp32. */
 static inline f16v rnd(f16v v, const int BF16) {
@@ -51,16 +35,6 @@ static inline void store_v(void *base, int64_t at, f16v v, const int BF16) {
     }
 }
 
-static inline float hsum(f16v v) {
-    v += __builtin_shuffle(v, (i32v){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (i32v){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (i32v){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (i32v){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
-}
-
-/* e^x, 16 at a time: 2^n e^f with n = round(x log2 e), |f| <= ln2 / 2, by the Taylor series
- * to degree 7 (relative error about 1e-8, under fp32's rounding); x clamped to [-87, 88]. */
 static inline f16v select_v(i32v mask, f16v yes, f16v no) {
     i32v a, b;
     memcpy(&a, &yes, sizeof a);
@@ -98,13 +72,13 @@ static inline __attribute__((always_inline)) void norm_row(const void *x, void *
                                                           int dim, float eps, const int BF16) {
     f16v squares = {0};
     for (int c = 0; c < dim; c += 16) {
-        const f16v v = load_v(x, at + c, BF16);
+        const f16v v = load_any(x, at + c, BF16);
         squares += v * v;
     }
     const float r = 1.f / sqrtf(hsum(squares) / (float)dim + eps);
     for (int c = 0; c < dim; c += 16) {
-        const f16v normed = rnd(load_v(x, at + c, BF16) * r, BF16);
-        store_v(out, at + c, load_v(weight, c, BF16) * normed, BF16);
+        const f16v normed = rnd(load_any(x, at + c, BF16) * r, BF16);
+        store_v(out, at + c, load_any(weight, c, BF16) * normed, BF16);
     }
 }
 
@@ -132,7 +106,7 @@ static inline __attribute__((always_inline)) void add_rms_norm_rows(void *hidden
     for (int row = 0; row < rows; row++) {
         const int64_t at = (int64_t)row * dim;
         for (int c = 0; c < dim; c += 16)
-            store_v(hidden, at + c, load_v(hidden, at + c, BF16) + load_v(delta, at + c, BF16), BF16);
+            store_v(hidden, at + c, load_any(hidden, at + c, BF16) + load_any(delta, at + c, BF16), BF16);
         norm_row(hidden, out, weight, at, dim, eps, BF16);
     }
 }
@@ -154,9 +128,9 @@ static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate
     for (int row = 0; row < rows; row++) {
         const int64_t in_at = (int64_t)row * 2 * inter, out_at = (int64_t)row * inter;
         for (int c = 0; c < inter; c += 16) {
-            const f16v gate = load_v(gate_up, in_at + c, BF16);
+            const f16v gate = load_any(gate_up, in_at + c, BF16);
             const f16v silu = rnd(gate / (1.f + exp_v(-gate)), BF16);
-            store_v(out, out_at + c, silu * load_v(gate_up, in_at + inter + c, BF16), BF16);
+            store_v(out, out_at + c, silu * load_any(gate_up, in_at + inter + c, BF16), BF16);
         }
     }
 }
@@ -184,9 +158,9 @@ static inline __attribute__((always_inline)) void rope_write_rows(
         for (int h = 0; h < heads + kv_heads; h++) {
             const int64_t at = row + (int64_t)h * dim;
             for (int c = 0; c < half; c += 16) {
-                const f16v x1 = load_v(qkv, at + c, BF16), x2 = load_v(qkv, at + half + c, BF16);
-                const f16v c1 = load_v(cos, angles + c, BF16), c2 = load_v(cos, angles + half + c, BF16);
-                const f16v s1 = load_v(sin, angles + c, BF16), s2 = load_v(sin, angles + half + c, BF16);
+                const f16v x1 = load_any(qkv, at + c, BF16), x2 = load_any(qkv, at + half + c, BF16);
+                const f16v c1 = load_any(cos, angles + c, BF16), c2 = load_any(cos, angles + half + c, BF16);
+                const f16v s1 = load_any(sin, angles + c, BF16), s2 = load_any(sin, angles + half + c, BF16);
                 store_v(qkv, at + c, rnd(x1 * c1, BF16) + rnd(-x2 * s1, BF16), BF16);
                 store_v(qkv, at + half + c, rnd(x2 * c2, BF16) + rnd(x1 * s2, BF16), BF16);
             }

@@ -3,37 +3,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float f16v __attribute__((vector_size(64)));
-typedef uint32_t u32v __attribute__((vector_size(64)));
-typedef uint16_t u16v __attribute__((vector_size(32)));
-typedef int32_t i32v __attribute__((vector_size(64)));
+#include "vec.h"
 
 #define MAX_GROUP 16
 #define MAX_DIMV 16
-
-static inline f16v load_bf16(const uint16_t *p) {
-    u16v h;
-    memcpy(&h, p, sizeof h);
-    return (f16v)(__builtin_convertvector(h, u32v) << 16);
-}
-
-static inline f16v load_f32(const float *p) {
-    f16v v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline f16v load_any(const void *base, int64_t at, int is_bf16) {
-    return is_bf16 ? load_bf16((const uint16_t *)base + at) : load_f32((const float *)base + at);
-}
-
-static inline float hsum(f16v v) {
-    v += __builtin_shuffle(v, (i32v){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (i32v){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (i32v){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (i32v){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
-}
 
 /* e^x for x <= 0 (a score less its row's largest): 2^n e^f, n = round(x log2 e),
  * |f| <= ln2 / 2, by the Taylor series to degree 6 (relative error about 1e-7). */
@@ -52,12 +25,6 @@ static inline float exp_nonpositive(float x) {
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
     return p * scale.f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
 typedef struct {
