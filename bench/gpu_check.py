@@ -38,7 +38,7 @@ from bench import metrics, scenario_driver, scenarios
 from bench.engine_direct import run_engine, sequence_of
 from bench.workload import RequestSpec, TenantSpec, make_workload
 from shared import model_source
-from worker.config import EngineConfig
+from worker.config import DEFAULT_ENGINE, EngineConfig
 from worker.engine import ContinuousBatchingEngine, build_scheduler
 from worker.runner import loader
 from worker.runner.model_runner import ModelRunner, kv_cache_budget_bytes, num_blocks_for_budget
@@ -86,6 +86,10 @@ def plan_for(device: torch.device, quick: bool) -> Plan:
     engine = EngineConfig(
         max_num_seqs=128,
         max_num_batched_tokens=2048 if is_cuda else 512,
+        # No smaller step while tenants share the batch on a GPU: a step costs about the same
+        # at 192 tokens as at 2,048 there, so the CPU's cap only slowed A's burst by half
+        # (session 21's burst-fill, fair against FIFO).
+        shared_batched_tokens=None if is_cuda else DEFAULT_ENGINE.shared_batched_tokens,
         kv_cache_gb=8.0 if is_cuda else 0.25,
     )
     if quick:  # the scenarios' burst: one batch of 8, not four of 128
@@ -157,7 +161,37 @@ def make_engine(loaded, config: EngineConfig, graphs: bool):
         graphs="on" if graphs else "off",
         max_num_seqs=config.max_num_seqs,
     )
-    return ContinuousBatchingEngine(build_scheduler(config, num_blocks), runner), runner
+    if loaded.device.type == "cuda":  # as `build_engine` does
+        runner.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
+    timed = TimedRunner(runner)
+    return ContinuousBatchingEngine(build_scheduler(config, num_blocks), timed), timed
+
+
+class TimedRunner:
+    """The runner, with each step's seconds kept by kind: replayed through a decode graph,
+    or eager (prompt chunks, or shapes past the graphs' buckets)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.step_s: dict[str, list[float]] = {"replayed": [], "eager": []}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def execute(self, batch):
+        replays, started_s = self.runner.num_graph_replays, time.perf_counter()
+        sampled = self.runner.execute(batch)  # tokens as ints: the device has finished
+        kind = "replayed" if self.runner.num_graph_replays > replays else "eager"
+        self.step_s[kind].append(time.perf_counter() - started_s)
+        return sampled
+
+    def step_summary(self) -> dict[str, Any]:
+        """Steps of each kind: how many, their seconds in all, and their percentiles."""
+        return {
+            kind: {"num": len(seconds), "total_s": sum(seconds)} | metrics.percentiles(seconds)
+            for kind, seconds in self.step_s.items()
+            if seconds
+        }
 
 
 def graph_label(device: torch.device, graphs: bool) -> str:
@@ -283,6 +317,8 @@ def throughput(args, section: Section, device: torch.device, plan: Plan) -> None
     most `streams` in flight, with and without decode graphs."""
     loaded, decoder = load_default(args, device)
     runs: dict[str, Any] = {}
+    # A warm process: kernels loaded, the allocator's cache grown.
+    section.put("process_warm_up_s", _warm_process(loaded, decoder, plan))
     for streams in STREAMS:
         workload = make_workload(
             max(2, streams * plan.requests_per_stream),
@@ -311,11 +347,30 @@ def throughput(args, section: Section, device: torch.device, plan: Plan) -> None
                 "graph_replay_fraction": runner.num_graph_replays / max(1, run.num_steps),
                 "graph_capture_s": runner.graph_capture_s,
                 "graphs_error": runner.graphs_error,
+                "steps": runner.step_summary(),
             }
             del engine, runner
             section.put("runs", runs)
     section.put("engine", dataclasses.asdict(plan.engine))
     section.save("ok")
+
+
+def _warm_process(loaded, decoder, plan: Plan) -> float:
+    """One unrecorded run of 32 streams with graphs and one eager, so that every row is
+    measured in a warm process, as a serving worker is after its first minutes: the
+    session 21 check measured each graph row first and cold, and its eager steps stalled
+    up to a second on first-use costs the rows after it no longer paid."""
+    started_s = time.perf_counter()
+    workload = make_workload(
+        32, seed=0, arrival="burst", burst_window_s=0.01,
+        prompt_tokens_min=plan.prompt_tokens[0], prompt_tokens_max=plan.prompt_tokens[1],
+        output_tokens_mean=plan.output_tokens_mean / 4, output_tokens_max=plan.max_tokens,
+    )  # fmt: skip
+    for graphs in (True, False):
+        engine, _runner = make_engine(loaded, plan.engine, graphs)
+        run_engine(engine, decoder, workload, max_concurrency=32, show_progress=False)
+        del engine, _runner
+    return time.perf_counter() - started_s
 
 
 def roofline_section(args, section: Section, device: torch.device, plan: Plan) -> None:
@@ -372,14 +427,15 @@ def scenarios_section(args, section: Section, device: torch.device, plan: Plan) 
     section.put("sizes", sizes)
     loaded, decoder = load_default(args, device)
     is_flat = device.type == "cuda"  # a GPU's step time barely grows with the batch
+    # The burst first: it is the larger, and a section cut short keeps what came first.
     builds = {
-        "noisy-neighbour": lambda: scenarios.noisy_neighbour(
-            0, sizes["noisy_duration_s"], sizes["noisy_steady_rate_per_s"]
-        ),
         "burst-fill": lambda: scenarios.burst(
             0, sizes["burst_duration_s"], sizes["burst_light_rate_per_s"],
             scenarios.FLAT_BURST_TTFT_RATIO_MAX if is_flat else scenarios.BURST_TTFT_RATIO_MAX,
             fills_kv=False, burst_size=int(sizes["burst_size"]),
+        ),
+        "noisy-neighbour": lambda: scenarios.noisy_neighbour(
+            0, sizes["noisy_duration_s"], sizes["noisy_steady_rate_per_s"]
         ),
     }  # fmt: skip
     results: dict[str, Any] = {}

@@ -78,6 +78,12 @@ def _throughput_lines(data: dict[str, Any]) -> list[str]:
             f"{itl['p50'] * 1e3:6.2f}/{itl['p99'] * 1e3:6.2f}  "
             f"{run['graph_replay_fraction']:10.0%}"
         )
+        for kind, steps in run.get("steps", {}).items():  # the step times behind the ITL
+            lines.append(
+                f"      {kind} steps: {steps['num']}, p50/p99/max "
+                f"{steps['p50'] * 1e3:.2f}/{steps['p99'] * 1e3:.2f}/{steps['max'] * 1e3:.2f} ms,"
+                f" {steps['total_s']:.2f} s in all"
+            )
     return lines
 
 

@@ -45,6 +45,8 @@ def build_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         max_num_seqs=config.max_num_seqs,
     )
     runner.fault_token_id = config.fault_token_id
+    if loaded.device.type == "cuda":  # kernels load at first use: before requests, not in them
+        runner.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
     return ContinuousBatchingEngine(build_scheduler(config, num_blocks), runner)
 
 

@@ -194,3 +194,25 @@ def test_capture_all_takes_every_bucket_and_leaves_the_collector_as_it_was(loade
     graphs.capture_all()
     assert graphs.num_captured == len(SMALL.all()) == 12
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("graphs", ["on", "off"])
+def test_warm_up_runs_each_chunk_size_then_requests_are_served_as_before(
+    loaded, graphs, monkeypatch
+):
+    shapes = []  # (decodes, prompt chunk lengths) of each warm-up step
+    execute = ModelRunner.execute
+
+    def recording_execute(self, batch):
+        shapes.append((len(batch.decodes), [len(c.token_ids) for c in batch.prefills]))
+        return execute(self, batch)
+
+    engine, runner = _engine(loaded, graphs)
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    assert runner.warm_up(max_num_batched_tokens=16, max_num_decodes=4) > 0
+    monkeypatch.undo()
+    assert shapes == [(0, [1]), (0, [2]), (0, [4]), (0, [8]), (0, [16]), (4, [12])]
+    # Its keys are left in blocks the requests then take: each writes before it reads.
+    outputs = _serve_together(engine, PROMPTS, 12)
+    for output, prompt in zip(outputs, PROMPTS, strict=True):
+        assert output == greedy_alone(loaded, prompt, 12)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 import weakref
 from typing import Any
 
@@ -118,6 +119,7 @@ def decode_group_bounds(ends: list[int], block_size: int) -> list[tuple[int, int
 
 
 GRAPH_MODES = ("auto", "on", "off")
+WARM_UP_ID = "warm-up"  # `ModelRunner.warm_up`'s requests: no API request id looks like it
 
 
 class ModelRunner:
@@ -262,6 +264,42 @@ class ModelRunner:
             logits_to_keep=keep_rows,
             **{STEP_KWARG: step},
         ).logits[0]
+
+    @torch.inference_mode()
+    def warm_up(self, max_num_batched_tokens: int, max_num_decodes: int) -> float:
+        """Run the eager step's shapes once before any request does; returns the seconds.
+
+        A GPU loads each kernel at its first launch (CUDA's lazy module loading) and cuBLAS
+        picks one per matrix shape: paid inside a request's step, that is a stall of up to
+        hundreds of milliseconds on every stream at once (the GPU check's first runs). So,
+        as vLLM's profile run does, one prompt chunk of 1, 2, 4, ... and
+        `max_num_batched_tokens` tokens, then up to `max_num_decodes` decodes beside a
+        chunk. The KV goes to the pool's first blocks, which no sequence holds yet and each
+        sequence writes before it reads; nothing else is kept."""
+        started_s = time.perf_counter()
+        size = self.block_size
+        capacity = (self._k_pool.shape[2] - int(self._graphs is not None)) * size
+        max_tokens = min(max_num_batched_tokens, capacity)
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        blocks = list(range(-(-max_tokens // size)))
+        lengths = sorted({1 << i for i in range(max_tokens.bit_length())} | {max_tokens})
+        lengths = [n for n in lengths if n <= max_tokens]
+        steps = [
+            StepBatch([], [ChunkInput(WARM_UP_ID, [0] * n, 0, blocks, greedy)]) for n in lengths
+        ]
+        num_decodes = max(0, min(max_num_decodes, max_tokens - 1, len(blocks)))
+        if num_decodes:
+            decodes = [
+                ChunkInput(f"{WARM_UP_ID}-{i}", [0], size - 1, [i], greedy)
+                for i in range(num_decodes)
+            ]
+            chunk = ChunkInput(WARM_UP_ID, [0] * (max_tokens - num_decodes), 0, blocks, greedy)
+            steps.append(StepBatch(decodes, [chunk]))
+        for step in steps:
+            self.execute(step)
+        for request_id in {c.request_id for step in steps for c in step.chunks}:
+            self.release(request_id)
+        return time.perf_counter() - started_s
 
     @property
     def kv_layout(self) -> KVLayout:
