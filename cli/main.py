@@ -288,10 +288,29 @@ def worker(
             "until the autoscaler's role for it says active; it may go back to standby.",
         ),
     ] = False,
+    role: Annotated[
+        str,
+        typer.Option(
+            help="both (serve requests whole) | prefill (compute prompts and first tokens, "
+            "then hand each sequence with its KV to a decode worker) | decode (take "
+            "hand-offs and stream the rest; pulls nothing from the queues)."
+        ),
+    ] = "both",
+    kv_host: Annotated[
+        str,
+        typer.Option(
+            help="decode: the address prefill workers send KV to (bound, and advertised "
+            "in the heartbeat)."
+        ),
+    ] = "127.0.0.1",
+    kv_port: Annotated[
+        int, typer.Option(help="decode: the port for KV hand-offs (0: a free one).")
+    ] = 0,
 ) -> None:
     """Run a worker that serves one model deployment (one version of a model), or, in the
     shared pool, the stable version of whichever of its models the control process assigns."""
     from shared.pool_assignments import POOL_SHARED, POOLS
+    from worker.handoff import ROLE_BOTH, ROLES
     from worker.pool_member import PoolMember
     from worker.service import FAIRNESS_SCOPES, Worker, WorkerConfig
 
@@ -357,6 +376,16 @@ def worker(
         )
     if fairness_scope not in FAIRNESS_SCOPES:
         raise typer.BadParameter(f"one of {FAIRNESS_SCOPES}", param_hint="--fairness-scope")
+    if role not in ROLES:
+        raise typer.BadParameter(f"one of {ROLES}", param_hint="--role")
+    if role != ROLE_BOTH and (
+        batching != "continuous" or engine_kind != "model" or pool == POOL_SHARED or standby
+    ):
+        raise typer.BadParameter(
+            "prefill and decode workers are dedicated, active workers of a model engine "
+            "batching continuously: the hand-off moves its KV blocks",
+            param_hint="--role",
+        )
     config = WorkerConfig(
         engine_config,
         device,
@@ -369,6 +398,9 @@ def worker(
         pool=pool,
         pool_models=pool_models,
         standby=standby,
+        role=role,
+        kv_host=kv_host,
+        kv_port=kv_port,
     )
     service: Worker | PoolMember
     if deployment is None:

@@ -62,6 +62,12 @@ Layout (all under the `llmfleet:` prefix):
 - `llmfleet:autoscale:{deployment}` hash: the autoscaler's latest decision for a model version
                                   (policy, workers wanted ready and on standby, forecast); the
                                   local actuator (`llmfleet up --autoscale`) and KEDA read it.
+- `llmfleet:handoff:{request_id}`  hash with a TTL: a prefill/decode hand-off of the request
+                                  (`shared/handoff.py`): `sender`, `receiver` (worker ids) and
+                                  `state` (`offered`, `accepted`, `withdrawn`); exactly one of
+                                  sender and receiver holds the request once it is settled.
+- `llmfleet:decoders:{deployment}` sorted set: decode worker id -> its free KV blocks, as of
+                                  its last heartbeat; prefill workers pick receivers from it.
 - `llmfleet:autoscale:roles`      hash: worker id -> `active` or `standby`, as the autoscaler
                                   wants it; a worker without an entry keeps the role it started
                                   with (`llmfleet worker --standby`).
@@ -181,3 +187,11 @@ def arrivals(deployment: str, bucket_start_s: int) -> str:
 
 def autoscale_decision(deployment: str) -> str:
     return f"{PREFIX}:autoscale:{deployment}"
+
+
+def handoff(request_id: str) -> str:
+    return f"{PREFIX}:handoff:{request_id}"
+
+
+def decode_workers(deployment: str) -> str:
+    return f"{PREFIX}:decoders:{deployment}"

@@ -144,6 +144,14 @@ class ContinuousBatchingEngine:
         self._runner = runner
         self._hand_off = hand_off
 
+    @property
+    def runner(self) -> StepRunner:
+        return self._runner
+
+    def set_hand_off(self, hand_off: HandOff | None) -> None:
+        """Hand sequences off at their first token from now on (a prefill worker), or not."""
+        self._hand_off = hand_off
+
     def add(self, seq: Sequence) -> SequenceOutput | None:
         vocab_size = self._runner.vocab_size
         if (refusal := guard.refusal(seq.prompt_token_ids, seq.sampling, vocab_size)) is not None:

@@ -8,7 +8,8 @@ Its fields: `model`, `version`, `deployment_id`, `state` (`loading`, `standby`, 
 `draining`), `pid`, `batching`, `pool` (and a shared worker's `pool_models`),
 `serving_since`, `updated_at`; the running totals since the worker started,
 `num_served_tokens` (prompt tokens once per request, and every token generated) and
-`num_finished_requests`, which the autoscaler differences into served rates; `activation_s`
+`num_finished_requests`, which the autoscaler differences into served rates; `role` (`both`,
+`prefill` or `decode`) and a decode worker's `kv_endpoint`; `activation_s`
 after an activation from standby (reading the role `active` to ready); `load_s` (JSON:
 model id -> seconds its load took); and the engine's stats while it has an engine
 (`EngineStats.heartbeat_fields`: none on standby, which holds no KV pool).
@@ -47,6 +48,19 @@ class Beat:
     activation_s: float | None
     load_times_s: Mapping[str, float]
     stats: EngineStats | None  # None: no engine (loading, standby)
+    role: str = "both"  # prefill/decode disaggregation (`worker/handoff.py`)
+    kv_endpoint: str | None = None  # a decode worker's: where prefill workers send KV
+
+    @property
+    def free_kv_blocks(self) -> int:
+        """Blocks a hand-off could take now (0 with the batch full): what prefill workers
+        rank decode workers by."""
+        stats = self.stats
+        if stats is None or stats.kv_cache_blocks is None or stats.kv_cache_usage is None:
+            return 0
+        if stats.num_running >= stats.max_num_seqs:
+            return 0
+        return int(stats.kv_cache_blocks * (1.0 - stats.kv_cache_usage))
 
     def fields(self, now_s: float) -> dict[str, str | int | float]:
         deployment = self.deployment
@@ -70,6 +84,9 @@ class Beat:
             fields["load_s"] = json.dumps(dict(self.load_times_s))
         if self.pool == POOL_SHARED:
             fields["pool_models"] = ",".join(self.pool_models)
+        fields["role"] = self.role
+        if self.kv_endpoint is not None:
+            fields["kv_endpoint"] = self.kv_endpoint
         return fields
 
     @property
@@ -99,13 +116,20 @@ async def write(redis: aioredis.Redis, beat: Beat, timeout_s: float, now_s: floa
         else:
             pipe.zrem(ready, worker_id)
         pipe.zremrangebyscore(ready, "-inf", now_s - timeout_s)
+        # A decode worker takes hand-offs while it serves (`worker/handoff.py`).
+        if beat.kv_endpoint is not None and beat.state == "ready":
+            pipe.zadd(keys.decode_workers(name), {worker_id: beat.free_kv_blocks})
+        else:
+            pipe.zrem(keys.decode_workers(name), worker_id)
         await pipe.execute()
     await _forget_dead_workers(redis, name)
 
 
 async def _forget_dead_workers(redis: aioredis.Redis, name: str) -> None:
-    """Drop capacity entries of workers whose heartbeat expired (they died uncleanly)."""
-    for member in await redis.zrange(keys.model_capacity(name), 0, -1):
-        worker_id = text(member)
-        if not await redis.exists(keys.worker_heartbeat(worker_id)):
-            await redis.zrem(keys.model_capacity(name), worker_id)
+    """Drop capacity and decode entries of workers whose heartbeat expired (they died
+    uncleanly)."""
+    for zset in (keys.model_capacity(name), keys.decode_workers(name)):
+        for member in await redis.zrange(zset, 0, -1):
+            worker_id = text(member)
+            if not await redis.exists(keys.worker_heartbeat(worker_id)):
+                await redis.zrem(zset, worker_id)

@@ -33,13 +33,14 @@ from redis.exceptions import RedisError
 
 from shared import heap, keys
 from shared.ending import end_request, failed
+from shared.handoff import HandOffs
 from shared.journal import Journal
 from shared.pool_assignments import POOL_DEDICATED
 from shared.protocol import ErrorCode, decode_cancel
 from shared.redis_conn import BROKER_ERRORS, async_client, retrying
 from shared.settings import Settings
 from shared.tables import ModelDeployment
-from worker import heartbeat, role, telemetry
+from worker import handoff, heartbeat, role, telemetry
 from worker.config import EngineConfig
 from worker.detokenizer import Decoder
 from worker.engine import Engine, EngineStats
@@ -84,6 +85,13 @@ class WorkerConfig:
     # Fault injection, for tests only (`LLMFLEET_FAULT_STEP_DELAY_MS`): wait this long before
     # each engine step, a deliberately slow version.
     fault_step_delay_s: float = 0.0
+    # Prefill/decode disaggregation (`worker/handoff.py`): `both` serves requests whole;
+    # `prefill` computes prompts and first tokens and hands the sequences to `decode`
+    # workers, which stream the rest and pull nothing from the queues. A decode worker
+    # takes the KV at `kv_host`:`kv_port` (0: a free port), which its heartbeat advertises.
+    role: str = handoff.ROLE_BOTH
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
 
 
 def is_fair(config: EngineConfig) -> bool:
@@ -157,6 +165,14 @@ class Worker:
         # thread that runs a parallel torch op gets an OpenMP team of its own, and with two
         # teams in the process a decode step measured 125 ms instead of 93 (batch 32, CPU).
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Disaggregation, while serving: a prefill worker's sender and the offers no decode
+        # worker took (back into the batch at the next turn), or a decode worker's receiver.
+        self._sender: handoff.Sender | None = None
+        self._sending: set[asyncio.Task] = set()
+        self._taken_back: list[handoff.Offer] = []
+        self._receiver: handoff.Receiver | None = None
+        self._handoffs: HandOffs | None = None  # a decode worker's: it accepts in Redis
+        self._arrived = asyncio.Event()  # a hand-off came: an idle decode loop wakes
 
     async def _on_engine_thread(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn)
@@ -288,15 +304,54 @@ class Worker:
             engine, observed, intake, publisher, self._pool_service(redis), weights.tokenizer,
             weights.eos_token_ids,
         )  # fmt: skip
-        watching = asyncio.create_task(self._watch_role(redis))
+        watching = [asyncio.create_task(self._watch_role(redis))]
+        watching += self._start_hand_offs(redis, engine)
         self._ready(observed, is_activation, time.monotonic() - since_s)
         try:
             await self._loop(serving)
             await self._end_unfinished(redis, journal, serving)
         finally:
-            watching.cancel()
+            for task in watching:
+                task.cancel()
+            self._stop_hand_offs()
             await publisher.drain()
             await self._end_recovery(intake)
+
+    def _start_hand_offs(self, redis: aioredis.Redis, engine: Engine) -> list[asyncio.Task]:
+        """A prefill worker's sender (the engine's hand-off callback, and a task that keeps
+        the decode workers' room current), or a decode worker's receiver."""
+        config, handoffs = self._config, HandOffs(redis, self._settings.journal_ttl_s)
+        if config.role == handoff.ROLE_PREFILL:
+            self._sender = handoff.Sender(redis, engine.runner, handoffs, self.worker_id)  # type: ignore[attr-defined]  # a continuous engine: `Worker` checks the role's batching
+            engine.set_hand_off(self._sender)  # type: ignore[attr-defined]
+            return [asyncio.create_task(self._watch_decoders(self._sender))]
+        if config.role == handoff.ROLE_DECODE:
+            loop = asyncio.get_running_loop()
+            self._receiver = handoff.Receiver(
+                f"tcp://{config.kv_host}:{config.kv_port}",
+                wake=lambda: loop.call_soon_threadsafe(self._arrived.set),
+            )
+            self._handoffs = handoffs
+            log.info("worker %s takes hand-offs at %s", self.worker_id, self._receiver.endpoint)
+        return []
+
+    def _stop_hand_offs(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+    async def _watch_decoders(self, sender: handoff.Sender) -> None:
+        """A prefill worker: the decode workers and their room, read a few times a second."""
+        while True:
+            try:
+                await sender.refresh_decoders(self._deployment.name)
+            except BROKER_ERRORS as exc:
+                sender.decoders = []  # decode here until the broker answers again
+                log.warning("could not read the decode workers: %s", exc)
+            await asyncio.sleep(handoff.DECODERS_REFRESH_S)
 
     def _ready(self, observed: telemetry.Telemetry, is_activation: bool, build_s: float) -> None:
         if is_activation:
@@ -359,19 +414,24 @@ class Worker:
         engine, publisher = serving.engine, serving.publisher
         drain_deadline_s = math.inf
         publishing: asyncio.Task | None = None
-        while engine.has_work() or not self._draining.is_set():
+        while engine.has_work() or self._is_handing_off() or not self._draining.is_set():
             if self._draining.is_set() and drain_deadline_s == math.inf:
                 drain_deadline_s = time.monotonic() + self._settings.worker_drain_timeout_s
                 await self._hand_back(serving)
             if time.monotonic() > drain_deadline_s:
                 break  # `_end_unfinished` ends what is left
             await self._take_new(serving)
+            await self._take_hand_offs(serving)
             await self._end_cancelled(serving)
             if engine.has_work():
                 outputs = await self._step(serving)  # its stats are the heartbeat's
                 if publishing is not None:
                     await publishing
                 publishing = publisher.publish(outputs)
+                self._send_offers(serving, publishing)
+                continue
+            if self._is_handing_off():
+                await asyncio.sleep(0.005)  # a send in flight: its outcome comes to the loop
                 continue
             self._stats = engine.stats()  # idle: what cancels and deadlines left
             if serving.pool is not None and (updates := engine.take_service_updates()):
@@ -384,7 +444,14 @@ class Worker:
         for some while idle), into the engine; a refusal is published at once."""
         engine, publisher, intake = serving.engine, serving.publisher, serving.intake
         entries, self._reclaimed = self._reclaimed, []
-        if not self._draining.is_set():
+        if self._config.role == handoff.ROLE_DECODE:
+            if not (engine.has_work() or entries or self._draining.is_set()):
+                with contextlib.suppress(TimeoutError):  # until a hand-off comes
+                    await asyncio.wait_for(
+                        self._arrived.wait(), self._settings.worker_idle_poll_ms / 1000
+                    )
+            self._arrived.clear()
+        elif not self._draining.is_set():
             idle_ms = self._settings.worker_idle_poll_ms
             block_ms = None if engine.has_work() or entries else idle_ms
             entries += await self._pull(intake, block_ms, engine)
@@ -406,6 +473,99 @@ class Worker:
             serving.telemetry.added(seq, refused)
             if refused is not None:
                 await publisher.publish([refused])
+
+    def _is_handing_off(self) -> bool:
+        return bool(self._sending or self._taken_back)
+
+    def _send_offers(self, serving: _Serving, published: asyncio.Task) -> None:
+        """A prefill worker: send the sequences the step let go, once its tokens are out."""
+        if self._sender is None:
+            return
+        for offer in self._sender.take_offers():
+            task = asyncio.create_task(self._send_offer(serving, offer, published))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send_offer(
+        self, serving: _Serving, offer: handoff.Offer, published: asyncio.Task
+    ) -> None:
+        await asyncio.wait([published])  # the first token's event: the decode worker's follow
+        request_id, publisher, sender = offer.request_id, serving.publisher, self._sender
+        flight = publisher.inflight.get(request_id)
+        if flight is None or flight.is_orphaned or sender is None:
+            return  # ended (or served elsewhere) meanwhile
+        try:
+            is_sent = await sender.send(offer, flight.entry, flight.num_events)
+        except BROKER_ERRORS as exc:
+            log.warning("hand-off of %s failed (%s): decoding it here", request_id, exc)
+            is_sent = False
+        if is_sent:  # the decode worker counts its tokens and its end
+            publisher.forget([request_id])
+            serving.telemetry.handed_back({request_id})
+        else:
+            self._taken_back.append(offer)
+
+    async def _take_hand_offs(self, serving: _Serving) -> None:
+        """Between two steps: a prefill worker takes back what no decode worker took; a
+        decode worker adopts what came."""
+        if self._taken_back:
+            await self._take_back(serving)
+        if self._receiver is not None:
+            for arrival in self._receiver.take():
+                try:
+                    await self._adopt(serving, arrival)
+                    arrival.verdict.set_result(None)
+                except Exception as exc:  # refused: the prefill worker keeps it
+                    arrival.verdict.set_exception(exc)
+
+    async def _take_back(self, serving: _Serving) -> None:
+        offers, self._taken_back = self._taken_back, []
+        for offer in offers:
+            flight = serving.publisher.inflight.get(offer.request_id)
+            if flight is None or self._sender is None:
+                continue
+            seq = handoff.continued_sequence(
+                flight.entry.request, offer.seq.output_token_ids[0], serving.tokenizer,
+                serving.eos_token_ids,
+            )  # fmt: skip
+            taken = functools.partial(self._sender.take_back, serving.engine, offer, seq)
+            if not await self._on_engine_thread(taken):
+                self._taken_back.append(offer)  # no room yet: after the next step
+            elif offer.request_id in self._cancelled:
+                self._to_cancel.add(offer.request_id)
+
+    async def _adopt(self, serving: _Serving, arrival: handoff.Arrival) -> None:
+        """A decode worker: into the batch if it has room, then the request is this
+        worker's (the hand-off accepted in Redis, its stream entry claimed); raises to
+        refuse it."""
+        engine, entry = serving.engine, arrival.entry()
+        request_id = entry.request.request_id
+        seq = handoff.continued_sequence(
+            entry.request, arrival.header["first_token_id"], serving.tokenizer,
+            serving.eos_token_ids,
+        )  # fmt: skip
+        runner, layout, payload = engine.runner, arrival.layout(), arrival.transfer.payload  # type: ignore[attr-defined]
+
+        def adopt() -> bool:
+            if not engine.adopt(seq, lambda blocks: runner.import_kv(blocks, layout, payload)):  # type: ignore[attr-defined]
+                return False
+            runner.import_sampling_state(request_id, seq.sampling, arrival.sampling_state())
+            return True
+
+        if not await self._on_engine_thread(adopt):
+            raise handoff.HandOffRefused("no room in the batch or the KV cache")
+        try:
+            assert self._handoffs is not None
+            if not await self._handoffs.accept(request_id, self.worker_id):
+                raise handoff.HandOffRefused("the offer was withdrawn")
+            await serving.intake.keep_claimed([entry])  # crash recovery follows it here
+        except BaseException:
+            await self._on_engine_thread(functools.partial(engine.abort, {request_id}))
+            raise
+        serving.publisher.adopt(entry, arrival.header["num_events"])
+        serving.telemetry.adopted(seq)
+        if request_id in self._cancelled:
+            self._to_cancel.add(request_id)
 
     async def _end_cancelled(self, serving: _Serving) -> None:
         """Cancels: what clients cancelled, what was orphaned here (served or ended
@@ -555,5 +715,7 @@ class Worker:
             activation_s=self._activation_s,
             load_times_s=self._load_times_s,
             stats=self._stats,
+            role=config.role,
+            kv_endpoint=self._receiver.endpoint if self._receiver is not None else None,
         )
         await heartbeat.write(redis, beat, self._heartbeat_timeout_s, time.time())

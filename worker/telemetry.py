@@ -134,6 +134,13 @@ class Telemetry:
         """Outputs from outside a step: cancels and expired deadlines."""
         self._observe_outputs(outputs, self._clock())
 
+    def adopted(self, seq: Sequence) -> None:
+        """A decode worker took `seq` over from the prefill worker that sampled its first
+        token (`worker/handoff.py`): its TTFT and prompt were counted there; its next
+        inter-token latency here runs from now, and its end is counted here."""
+        timing = self._timings[seq.request_id] = _Timing(seq)
+        timing.started_s = timing.last_token_s = self._clock()
+
     def handed_back(self, request_ids: set[str]) -> None:
         """Requests given back to the queue for another worker: they did not end here, so
         they are not counted as ended (that worker counts them)."""

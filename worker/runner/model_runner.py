@@ -311,9 +311,12 @@ class ModelRunner:
         return read_blocks(self._k_pool, self._v_pool, block_ids)
 
     def import_kv(
-        self, block_ids: list[int], layout: KVLayout, payload: memoryview | bytes
+        self, block_ids: list[int], layout: KVLayout | dict[str, Any], payload: memoryview | bytes
     ) -> None:
-        """Blocks exported by a runner of `layout`, into this pool at `block_ids`."""
+        """Blocks exported by a runner of `layout` (or its `as_dict`, as a hand-off's header
+        carries it), into this pool at `block_ids`."""
+        if isinstance(layout, dict):
+            layout = KVLayout.from_dict(layout)
         write_blocks(self._k_pool, self._v_pool, block_ids, layout, payload)
 
     def export_sampling_state(self, request_id: str) -> bytes | None:
