@@ -306,6 +306,13 @@ def worker(
     kv_port: Annotated[
         int, typer.Option(help="decode: the port for KV hand-offs (0: a free one).")
     ] = 0,
+    kv_advertise: Annotated[
+        str | None,
+        typer.Option(
+            help="decode: the endpoint prefill workers reach it at (tcp://HOST:PORT), where "
+            "it is not --kv-host:--kv-port (a NAT, a proxy, a service name)."
+        ),
+    ] = None,
 ) -> None:
     """Run a worker that serves one model deployment (one version of a model), or, in the
     shared pool, the stable version of whichever of its models the control process assigns."""
@@ -401,6 +408,7 @@ def worker(
         role=role,
         kv_host=kv_host,
         kv_port=kv_port,
+        kv_advertise=kv_advertise,
     )
     service: Worker | PoolMember
     if deployment is None:

@@ -39,6 +39,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from shared.handoff import HandOffs
 from shared.protocol import QueuedRequest
 from shared.redis_conn import text
 from worker.intake import StreamEntry
-from worker.kv_link import KVReceiver, KVSender, KVTransfer, KVTransferError
+from worker.kv_link import KVReceiver, KVSender, KVTransfer, KVTransferError, KVTransferRefused
 from worker.sequence import Sequence
 
 log = logging.getLogger("llmfleet.worker")
@@ -63,6 +64,10 @@ ROLES = (ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE)
 ANSWER_TIMEOUT_S = 5.0
 MAX_RECEIVERS_TRIED = 2  # then the prefill worker decodes the sequence itself
 DECODERS_REFRESH_S = 0.25  # how often a prefill worker reads the decode workers' room
+# A decode worker that did not answer gets no offers for this long: dead (until its
+# heartbeat expires it is still listed), hung or cut off, it would cost each offer queued
+# behind the first its own timeout.
+SHUN_S = 10.0
 
 
 class HandOffRefused(Exception):
@@ -104,6 +109,7 @@ class Sender:
         # One thread for every send: a ZeroMQ socket is used from one thread at a time.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send")
         self.decoders: list[DecodeWorker] = []  # `refresh_decoders`
+        self._shunned: dict[str, float] = {}  # decode worker id -> until (monotonic s)
         self.offers: list[Offer] = []  # let go in the last step, not yet sent
 
     def __call__(self, seq: Sequence, block_ids: list[int]) -> bool:
@@ -137,9 +143,16 @@ class Sender:
         for member, free_blocks in ranked:
             worker_id = text(member)
             endpoint = await self._redis.hget(keys.worker_heartbeat(worker_id), "kv_endpoint")  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
-            if endpoint is not None and free_blocks > 0:  # alive, and serving
+            if endpoint is not None and free_blocks > 0 and not self._is_shunned(worker_id):
                 decoders.append(DecodeWorker(worker_id, text(endpoint), int(free_blocks)))
         self.decoders = decoders
+
+    def _is_shunned(self, worker_id: str) -> bool:
+        return self._shunned.get(worker_id, 0.0) > time.monotonic()
+
+    def _shun(self, worker_id: str) -> None:
+        self._shunned[worker_id] = time.monotonic() + SHUN_S
+        self.decoders = [d for d in self.decoders if d.worker_id != worker_id]
 
     async def send(self, offer: Offer, entry: StreamEntry, num_events: int) -> bool:
         """Hand the offer to a decode worker: True once one holds the request (forget it
@@ -151,19 +164,23 @@ class Sender:
                 return not await self._handoffs.withdraw(request_id, self._worker_id)
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    self._thread,
-                    self._kv_sender.send,
-                    receiver.endpoint,
-                    header,
-                    offer.payload,
-                    ANSWER_TIMEOUT_S,
+                    self._thread, self._send_now, receiver, header, offer.payload
                 )
                 return True
             except KVTransferError as exc:
                 log.warning("hand-off of %s to %s failed: %s", request_id, receiver.worker_id, exc)
+                if not isinstance(exc, KVTransferRefused):  # no answer: dead, hung or cut off
+                    self._shun(receiver.worker_id)
                 if not await self._handoffs.withdraw(request_id, self._worker_id):
                     return True  # accepted there: its answer was what was lost
         return False
+
+    def _send_now(self, receiver: DecodeWorker, header: dict[str, Any], payload) -> None:
+        """On the send thread, in turn: sends queued behind one that got no answer give up at
+        once rather than each wait for its own timeout."""
+        if self._is_shunned(receiver.worker_id):
+            raise KVTransferError(f"{receiver.worker_id} did not answer an earlier offer")
+        self._kv_sender.send(receiver.endpoint, header, payload, ANSWER_TIMEOUT_S)
 
     def take_back(self, engine: Any, offer: Offer, seq: Sequence) -> bool:
         """On the engine thread: the sequence no decode worker took, back into this batch as

@@ -30,6 +30,10 @@ class KVTransferError(Exception):
     """A transfer that was not acknowledged in time, or that the receiver refused."""
 
 
+class KVTransferRefused(KVTransferError):
+    """The receiver answered, and did not take the blocks (no room, or not offered to it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVTransfer:
     header: dict[str, Any]
@@ -57,7 +61,7 @@ class KVSender:
         _, answer = socket.recv_multipart()
         reply = json.loads(answer)
         if reply.get("request_id") != header["request_id"] or not reply.get("ok"):
-            raise KVTransferError(f"{endpoint} refused the blocks: {reply.get('error')}")
+            raise KVTransferRefused(f"{endpoint} refused the blocks: {reply.get('error')}")
 
     def close(self) -> None:
         for endpoint in list(self._sockets):

@@ -132,17 +132,13 @@ class Publisher:
         flight = self.inflight.get(output.request_id)
         return flight is not None and not flight.is_orphaned
 
-    def adopt(self, entry: StreamEntry, num_events: int) -> None:
+    async def adopt(self, entry: StreamEntry, num_events: int) -> None:
         """Track a request a prefill worker handed over (`worker/handoff.py`): its journal
-        holds `num_events` events already, and this worker owns it now."""
+        holds `num_events` events already. This worker is recorded as its owner before the
+        prefill worker lets it go: crash recovery gives an idle entry back to its owner if
+        that one is alive, and the prefill worker will not keep it."""
+        await self._journal.set_owner(entry.request.request_id, self._worker_id)
         self.inflight[entry.request.request_id] = InFlight(entry, num_events)
-        self._spawn(self._set_owner(entry.request.request_id))
-
-    async def _set_owner(self, request_id: str) -> None:
-        try:
-            await self._journal.set_owner(request_id, self._worker_id)
-        except (RedisError, OSError):
-            log.exception("could not record this worker as the owner of %s", request_id)
 
     def forget(self, request_ids: list[str]) -> list[StreamEntry]:
         """Stop tracking requests handed to another worker; their entries."""

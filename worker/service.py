@@ -92,6 +92,9 @@ class WorkerConfig:
     role: str = handoff.ROLE_BOTH
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
+    # The endpoint prefill workers reach a decode worker at, where it is not the bound one
+    # (a NAT, a proxy, a service name): `tcp://HOST:PORT`.
+    kv_advertise: str | None = None
 
 
 def is_fair(config: EngineConfig) -> bool:
@@ -335,6 +338,12 @@ class Worker:
             log.info("worker %s takes hand-offs at %s", self.worker_id, self._receiver.endpoint)
         return []
 
+    def _kv_endpoint(self) -> str | None:
+        """Where a decode worker takes hand-offs, as its heartbeat advertises it."""
+        if self._receiver is None:
+            return None
+        return self._config.kv_advertise or self._receiver.endpoint
+
     def _stop_hand_offs(self) -> None:
         if self._sender is not None:
             self._sender.close()
@@ -559,10 +568,10 @@ class Worker:
             if not await self._handoffs.accept(request_id, self.worker_id):
                 raise handoff.HandOffRefused("the offer was withdrawn")
             await serving.intake.keep_claimed([entry])  # crash recovery follows it here
+            await serving.publisher.adopt(entry, arrival.header["num_events"])
         except BaseException:
             await self._on_engine_thread(functools.partial(engine.abort, {request_id}))
             raise
-        serving.publisher.adopt(entry, arrival.header["num_events"])
         serving.telemetry.adopted(seq)
         if request_id in self._cancelled:
             self._to_cancel.add(request_id)
@@ -716,6 +725,6 @@ class Worker:
             load_times_s=self._load_times_s,
             stats=self._stats,
             role=config.role,
-            kv_endpoint=self._receiver.endpoint if self._receiver is not None else None,
+            kv_endpoint=self._kv_endpoint(),
         )
         await heartbeat.write(redis, beat, self._heartbeat_timeout_s, time.time())

@@ -60,6 +60,13 @@ class Stack:
     extra_env: dict[str, str] = field(default_factory=dict)  # for every process
     # Workers reach Redis through a proxy that can cut their connections (`cut_workers_off`).
     workers_via_proxy: bool = False
+    # The workers' roles (`llmfleet worker --role`): two `both`, or a prefill and a decode
+    # worker (disaggregation); with `kv_via_proxy` prefill workers reach the decode
+    # worker's KV endpoint through a proxy that can cut the link (`kv_proxy`).
+    worker_roles: tuple[str, ...] = ("both", "both")
+    kv_via_proxy: bool = False
+    kv_proxy: CuttingProxy | None = None
+    roles: dict[int, str] = field(default_factory=dict)  # worker pid -> its role
     num_subscribers_dropped: int = 0
     held_by_killed: set[str] = field(default_factory=set)  # requests the killed worker held
     api_urls: list[str] = field(default_factory=list)
@@ -118,7 +125,7 @@ class Stack:
         # Four processes at once: on two cores their imports overlap with each other.
         with ThreadPoolExecutor(4) as pool:
             apis = [pool.submit(spawn_api, self.env, self.home) for _ in range(2)]
-            workers = [pool.submit(self.start_worker) for _ in range(2)]
+            workers = [pool.submit(self.start_worker, role) for role in self.worker_roles]
             for api in apis:
                 self.api_urls.append(api.result().url)
                 self.apis.append(api.result().process)
@@ -126,15 +133,26 @@ class Stack:
                 worker.result()
         return self
 
-    def start_worker(self) -> subprocess.Popen:
-        """Another worker process, once its heartbeat says ready."""
+    def start_worker(self, role: str = "both") -> subprocess.Popen:
+        """Another worker process of `role`, once its heartbeat says ready."""
         log_path = self.home / f"worker-{time.monotonic_ns()}.log"
-        args = ["worker", "--model", MODEL, *WORKER_ARGS]
+        args = ["worker", "--model", MODEL, *WORKER_ARGS, "--role", role]
+        if role == "decode" and self.kv_via_proxy:
+            port = free_port()
+            if self.kv_proxy is not None:
+                self.kv_proxy.close()
+            self.kv_proxy = CuttingProxy(port)
+            args += ["--kv-port", str(port), "--kv-advertise", self.kv_proxy.url_of("tcp")]
         env = self.env | ({"REDIS_URL": self.proxy.url} if self.proxy else {})
         process = _spawn(args, env, log_path)
         self.workers.append(process)
+        self.roles[process.pid] = role
         _wait_ready(self.redis_server.url, process, log_path)
         return process
+
+    def live_worker(self, role: str) -> subprocess.Popen:
+        """The live worker process of `role` (the first, if several)."""
+        return next(w for w in self.live_workers() if self.roles[w.pid] == role)
 
     def live_workers(self) -> list[subprocess.Popen]:
         return [w for w in self.workers if w.poll() is None]
@@ -176,6 +194,14 @@ class Stack:
             if owner is not None and int(owner.decode().split("-")[-2]) == pid:
                 owned.add(key.decode().removeprefix(keys.request_meta("")))
         return owned
+
+    def num_handed_off(self) -> int:
+        """Requests a decode worker accepted from a prefill worker (`shared/handoff.py`)."""
+        with self.redis() as r:
+            return sum(
+                r.hget(key, "state") == b"accepted"
+                for key in r.scan_iter(keys.handoff("*"), _type="hash")
+            )
 
     def lock_database(self) -> None:
         """Hold SQLite's write lock: every writer waits (busy timeout) until `unlock_database`."""
@@ -221,7 +247,8 @@ class Stack:
                 process.send_signal(signal.SIGCONT)  # a paused process cannot take SIGTERM
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(_stop, processes))
-        if self.proxy is not None:
-            self.proxy.close()
+        for proxy in (self.proxy, self.kv_proxy):
+            if proxy is not None:
+                proxy.close()
         if self.redis_server is not None:
             self.redis_server.stop()

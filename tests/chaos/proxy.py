@@ -1,5 +1,6 @@
-"""A TCP proxy in front of Redis that can cut every connection through it: the network
-between a process and its broker failing, as a load balancer, a NAT or a restarting host does.
+"""A TCP proxy in front of Redis (or any TCP server: a decode worker's KV endpoint) that can
+cut every connection through it: the network between a process and its broker failing, as a
+load balancer, a NAT or a restarting host does.
 
 `cut(for_s)` resets (RST) every open connection, then for `for_s` seconds resets each new
 one right after accepting it: a client's reconnect succeeds at TCP level and fails on its
@@ -49,7 +50,11 @@ class CuttingProxy:
 
     @property
     def url(self) -> str:
-        return f"redis://{self._target[0]}:{self.port}"
+        return self.url_of("redis")
+
+    def url_of(self, scheme: str) -> str:
+        """The proxy's address as a `scheme` URL (`tcp` for a ZeroMQ endpoint)."""
+        return f"{scheme}://{self._target[0]}:{self.port}"
 
     def cut(self, for_s: float) -> None:
         """Reset every connection now and every new one for `for_s` seconds."""

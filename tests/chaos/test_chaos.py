@@ -78,6 +78,39 @@ async def cut_worker_connections(stack: Stack, client: LoadClient) -> None:
         await asyncio.sleep(1.0)
 
 
+async def _kill_role(stack: Stack, client: LoadClient, role: str) -> None:
+    """kill -9 the worker of `role` while requests stream, stopped first so that what it
+    holds at the kill can be read (only those may end `worker_lost`); then another."""
+    await _when_streaming(client, 8)
+    worker = stack.live_worker(role)
+    worker.send_signal(signal.SIGSTOP)
+    with stack.redis() as r:
+        stack.held_by_killed = await asyncio.to_thread(stack.requests_owned_by, r, worker.pid)
+    worker.kill()
+    await asyncio.to_thread(stack.start_worker, role)
+
+
+async def kill_prefill_worker(stack: Stack, client: LoadClient) -> None:
+    """Disaggregated: the prefill worker dies with sequences computed and on their way to
+    the decode worker, or offered and not yet taken."""
+    await _kill_role(stack, client, "prefill")
+
+
+async def kill_decode_worker(stack: Stack, client: LoadClient) -> None:
+    """Disaggregated: the decode worker dies mid-stream, the prefill worker still sending."""
+    await _kill_role(stack, client, "decode")
+
+
+async def cut_kv_link(stack: Stack, client: LoadClient) -> None:
+    """Disaggregated: reset every connection to the decode worker's KV endpoint three times,
+    1 s apart, each time resetting reconnects for 0.5 s: transfers and their answers lost."""
+    await _when_streaming(client, 8)
+    assert stack.kv_proxy is not None
+    for _ in range(3):
+        stack.kv_proxy.cut(0.5)
+        await asyncio.sleep(1.0)
+
+
 async def kill_api(stack: Stack, client: LoadClient) -> None:
     await _when_streaming(client, 4, api_index=0)
     stack.apis[0].kill()
@@ -129,6 +162,12 @@ def _fault_evidence(name: str, stack: Stack, logs: list, states: list[str]) -> s
         return "no connection was cut"
     if name == "db_unavailable" and not stack.log_count("control", DB_RETRY):
         return "no usage write failed"
+    if name.startswith("disagg_") and not stack.num_handed_off():
+        return "no request was handed from the prefill to the decode worker"
+    if name in ("disagg_prefill_kill9", "disagg_decode_kill9") and not stack.held_by_killed:
+        return "the killed worker held no request"
+    if name == "disagg_kv_link_cut" and not (stack.kv_proxy and stack.kv_proxy.num_cut):
+        return "no KV connection was cut"
     return None
 
 
@@ -159,13 +198,24 @@ SCENARIOS = {
         {"LLMFLEET_FAULT_TOKEN_ID": str(POISON_TOKEN_ID)},
     ),
     "db_unavailable": (lock_database, set(), {}, {"LLMFLEET_DB_BUSY_TIMEOUT_S": "1"}),
+    # Prefill/decode disaggregation (issue 22): a prefill and a decode worker.
+    "disagg_prefill_kill9": (kill_prefill_worker, {"worker_lost"}, {}, {}),
+    "disagg_decode_kill9": (kill_decode_worker, {"worker_lost"}, {}, {}),
+    "disagg_kv_link_cut": (cut_kv_link, set(), {}, {}),
+}
+DISAGGREGATED = {"worker_roles": ("decode", "prefill")}
+STACK_OPTIONS = {
+    "worker_connections_cut": {"workers_via_proxy": True},
+    "disagg_prefill_kill9": DISAGGREGATED,
+    "disagg_decode_kill9": DISAGGREGATED,
+    "disagg_kv_link_cut": DISAGGREGATED | {"kv_via_proxy": True},
 }
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 async def test_chaos(name, chaos_stack, chaos_report):
     fault, allowed_errors, spec_options, extra_env = SCENARIOS[name]
-    stack = chaos_stack(extra_env, workers_via_proxy=fault is cut_worker_connections)
+    stack = chaos_stack(extra_env, **STACK_OPTIONS.get(name, {}))
     specs = make_specs(stack.tenants, NUM_REQUESTS, seed=len(name), **spec_options)
     client = LoadClient(stack.api_urls, CONCURRENCY)
     started_s = time.monotonic()
