@@ -75,8 +75,9 @@ def bench(
         bool,
         typer.Option(
             help="The workload aggregated (two workers doing both phases) and disaggregated "
-            "(a prefill and a decode worker), side by side; with --simulate only, for now "
-            "(bench/disagg_sim.py)."
+            "(a prefill and a decode worker), side by side: over the whole stack with the "
+            "model, each worker pinned to a core (bench/disagg_stack.py), or with --simulate "
+            "cpu|flat on a simulated clock (bench/disagg_sim.py)."
         ),
     ] = False,
     network_gbps: Annotated[
@@ -334,12 +335,50 @@ def bench(
         )
         _platform_load(plan, json_path)
         return
+    if disaggregation and simulate is None:
+        from bench import disagg_stack
+        from bench.workload import make_workload
+
+        workload = make_workload(
+            num_requests,
+            seed=seed,
+            rate_per_s=rate_per_s,
+            prompt_tokens_min=prompt_tokens_min,
+            prompt_tokens_max=prompt_tokens_max,
+            output_tokens_mean=output_tokens_mean,
+            output_tokens_max=output_tokens_max,
+            long_prompt_fraction=long_prompt_fraction,
+            long_prompt_tokens=long_prompt_tokens,
+        )
+        base = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            shared_batched_tokens=shared_batched_tokens or None,
+            kv_cache_gb=kv_cache_gb,
+            forward=forward,
+            prefix_caching=prefix_caching,
+        )
+        report = disagg_stack.run(workload, base, source, dtype, slo=(slo_ttft_s, slo_tpot_s))
+        disagg_stack.print_report(report, typer.echo)
+        if json_path:
+            from bench import report as bench_report
+
+            bench_report.write_json(json_path, {
+                "workload": {
+                    "num_requests": num_requests, "seed": seed, "rate_per_s": rate_per_s,
+                    "prompt_tokens": [prompt_tokens_min, prompt_tokens_max],
+                    "output_tokens_mean": output_tokens_mean,
+                    "output_tokens_max": output_tokens_max,
+                    "long_prompt_fraction": long_prompt_fraction,
+                    "long_prompt_tokens": long_prompt_tokens,
+                },
+                "engine": dataclasses.asdict(base),
+                "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
+                "pinned": "each worker to one core (--cpus)",
+                **report,
+            })  # fmt: skip
+        return
     if disaggregation:
-        if simulate is None:
-            raise typer.BadParameter(
-                "--disaggregation runs with --simulate cpu|flat for now: prefill and decode "
-                "workers (--role) are not built yet (issue 22)"
-            )
         _disaggregation(
             [
                 f"--cost={simulate}",

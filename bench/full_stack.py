@@ -55,7 +55,7 @@ def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
         if on_run is not None:
             on_run(planned.label)
         with platform(planned, plan.tenants, base, source, dtype) as started:
-            _warm_up(started)
+            warm_up(started)
             with service_recorder.recording(
                 started.redis_url, started.home / "published.jsonl"
             ) as published:
@@ -76,7 +76,7 @@ def run_plan(plan: Scenario, base, source: str, dtype: str, *, on_run=None):
     return runs, durations
 
 
-def _warm_up(started: Platform) -> None:
+def warm_up(started: Platform) -> None:
     """A few short requests of the warm-up tenant, through the whole path, before the run."""
     results, _ = asyncio.run(
         run_http(
@@ -185,6 +185,10 @@ def _worker_args(run: Run, index: int, ids: dict[str, str], base, dtype: str) ->
     if run.affinity:
         preferred = run.affinity[index % len(run.affinity)]
         args += ["--prefer-tenants", ",".join(ids[name] for name in preferred)]
+    if run.roles:
+        args += ["--role", run.roles[index]]
+    if run.pin_cores:
+        args += ["--cpus", str(index % (os.cpu_count() or 1))]
     return args
 
 

@@ -71,6 +71,8 @@ class Run:
     fairness_scope: str = "pool"  # "pool": shared service counters; "worker": each its own
     affinity: tuple[tuple[str, ...], ...] = ()  # worker i prefers affinity[i % len] tenants
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # EngineConfig changes
+    roles: tuple[str, ...] = ()  # worker i's `--role` (disaggregation); () : every one `both`
+    pin_cores: bool = False  # worker i pinned to core i (`--cpus`), modulo the machine's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -306,6 +306,14 @@ def worker(
     kv_port: Annotated[
         int, typer.Option(help="decode: the port for KV hand-offs (0: a free one).")
     ] = 0,
+    cpus: Annotated[
+        str | None,
+        typer.Option(
+            help="Pin the worker to these CPU cores (comma-separated ids), as several "
+            "workers on one machine are: its threads then never compete with another's "
+            "(Linux)."
+        ),
+    ] = None,
     kv_advertise: Annotated[
         str | None,
         typer.Option(
@@ -322,6 +330,11 @@ def worker(
     from worker.service import FAIRNESS_SCOPES, Worker, WorkerConfig
 
     _setup_logging()
+    if cpus is not None:
+        try:  # before torch starts its threads: they inherit the process's cores
+            os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",") if cpu.strip()})
+        except (ValueError, OSError) as exc:
+            raise typer.BadParameter(f"cannot pin to {cpus!r}: {exc}", param_hint="--cpus") from exc
     if pool not in POOLS:
         raise typer.BadParameter(f"one of {POOLS}", param_hint="--pool")
     pool_models = tuple(m.strip() for m in models.split(",") if m.strip())

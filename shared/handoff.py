@@ -71,6 +71,8 @@ class HandOffState:
     sender: str
     receiver: str
     state: str
+    num_bytes: int | None = None  # of KV sent, once the receiver answered (`record_transfer`)
+    transfer_s: float | None = None  # from the send to the receiver's answer
 
 
 class HandOffs:
@@ -108,7 +110,21 @@ class HandOffs:
         if not fields:
             return None
         values = {text(k): text(v) for k, v in fields.items()}
-        return HandOffState(values["sender"], values["receiver"], values["state"])
+        num_bytes, transfer_s = values.get("bytes"), values.get("transfer_s")
+        return HandOffState(
+            values["sender"],
+            values["receiver"],
+            values["state"],
+            int(num_bytes) if num_bytes is not None else None,
+            float(transfer_s) if transfer_s is not None else None,
+        )
+
+    async def record_transfer(self, request_id: str, num_bytes: int, transfer_s: float) -> None:
+        """What the accepted transfer took, for operators and the benchmark: its KV bytes and
+        the seconds from the send to the receiver's answer (the adoption included)."""
+        await self._redis.hset(  # type: ignore[misc]  # redis-py: async commands typed Awaitable[T] | T (redis-py#2399)
+            keys.handoff(request_id), mapping={"bytes": num_bytes, "transfer_s": transfer_s}
+        )
 
     async def forget(self, request_id: str) -> None:
         """Drop the record once the request ended: its holder no longer needs it."""

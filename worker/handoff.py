@@ -50,7 +50,7 @@ import redis.asyncio as aioredis
 from shared import keys
 from shared.handoff import HandOffs
 from shared.protocol import QueuedRequest
-from shared.redis_conn import text
+from shared.redis_conn import BROKER_ERRORS, retrying, text
 from worker.intake import StreamEntry
 from worker.kv_link import KVReceiver, KVSender, KVTransfer, KVTransferError, KVTransferRefused
 from worker.sequence import Sequence
@@ -99,8 +99,17 @@ class Offer:
 class Sender:
     """The prefill side: the engine's `hand_off` callback, and the sends after the step."""
 
-    def __init__(self, redis: aioredis.Redis, runner: Any, handoffs: HandOffs, worker_id: str):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        runner: Any,
+        handoffs: HandOffs,
+        worker_id: str,
+        retry_s: float = 60.0,
+    ) -> None:
+        """`retry_s`: how long a withdrawal waits for an unreachable broker."""
         self._redis = redis
+        self._retry_s = retry_s
         self._runner = runner  # `ModelRunner`: export_kv, export_sampling_state, kv_layout
         self._handoffs = handoffs
         self._worker_id = worker_id
@@ -161,19 +170,35 @@ class Sender:
         header = self._header(offer, entry, num_events)
         for receiver in offer.receivers:
             if not await self._handoffs.offer(request_id, self._worker_id, receiver.worker_id):
-                return not await self._handoffs.withdraw(request_id, self._worker_id)
+                return not await self._withdraw(request_id)
             try:
+                sent_s = time.perf_counter()
                 await asyncio.get_running_loop().run_in_executor(
                     self._thread, self._send_now, receiver, header, offer.payload
                 )
-                return True
+                transfer_s = time.perf_counter() - sent_s
             except KVTransferError as exc:
                 log.warning("hand-off of %s to %s failed: %s", request_id, receiver.worker_id, exc)
                 if not isinstance(exc, KVTransferRefused):  # no answer: dead, hung or cut off
                     self._shun(receiver.worker_id)
-                if not await self._handoffs.withdraw(request_id, self._worker_id):
+                if not await self._withdraw(request_id):
                     return True  # accepted there: its answer was what was lost
+                continue
+            try:
+                await self._handoffs.record_transfer(request_id, offer.payload.nbytes, transfer_s)
+            except BROKER_ERRORS as exc:  # only a figure: the request is the receiver's
+                log.warning("could not record the transfer of %s: %s", request_id, exc)
+            return True
         return False
+
+    async def _withdraw(self, request_id: str) -> bool:
+        """Whether this worker keeps the request: retried while the broker is away, since
+        the answer decides which worker holds it."""
+        return await retrying(
+            lambda: self._handoffs.withdraw(request_id, self._worker_id),
+            within_s=self._retry_s,
+            what="a hand-off's withdrawal",
+        )
 
     def _send_now(self, receiver: DecodeWorker, header: dict[str, Any], payload) -> None:
         """On the send thread, in turn: sends queued behind one that got no answer give up at

@@ -325,7 +325,13 @@ class Worker:
         the decode workers' room current), or a decode worker's receiver."""
         config, handoffs = self._config, HandOffs(redis, self._settings.journal_ttl_s)
         if config.role == handoff.ROLE_PREFILL:
-            self._sender = handoff.Sender(redis, engine.runner, handoffs, self.worker_id)  # type: ignore[attr-defined]  # a continuous engine: `Worker` checks the role's batching
+            self._sender = handoff.Sender(
+                redis,
+                engine.runner,
+                handoffs,
+                self.worker_id,
+                self._settings.broker_retry_s,  # type: ignore[attr-defined]  # a continuous engine: the CLI checks the role's batching
+            )
             engine.set_hand_off(self._sender)  # type: ignore[attr-defined]
             return [asyncio.create_task(self._watch_decoders(self._sender))]
         if config.role == handoff.ROLE_DECODE:

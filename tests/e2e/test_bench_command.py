@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from bench.workload import make_workload
+
 SMALL = ["--num-requests", "4", "--prompt-tokens-max", "40", "--output-tokens-mean", "6",
          "--output-tokens-max", "10", "--burst-window-s", "0.2"]  # fmt: skip
 
@@ -55,3 +57,35 @@ def test_bench_compare_engine_direct(env, tiny_model_dir, tmp_path):
     assert len(totals) == 1
     assert "continuous / static (throughput)" in payload["ratios"]
     assert "continuous / one (throughput)" in result.stdout
+
+
+def test_bench_disaggregation_over_the_whole_stack(env, tiny_model_dir, tmp_path):
+    """Two platforms of its own: two `both` workers, then a prefill and a decode worker,
+    each pinned to a core; every request of the second that outlives its first token is
+    handed off, its KV bytes and transfer time recorded."""
+    out = tmp_path / "disagg.json"
+    options = {"num_requests": 6, "seed": 3, "rate_per_s": 16.0, "prompt_tokens_max": 40,
+               "output_tokens_mean": 6.0, "output_tokens_max": 10,
+               "long_prompt_fraction": 0.5, "long_prompt_tokens": 300}  # fmt: skip
+    result = _bench(
+        env, "--disaggregation", "--source", str(tiny_model_dir), "--dtype", "float32",
+        *[arg for name, value in options.items()
+          for arg in (f"--{name.replace('_', '-')}", str(value))],
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    workload = make_workload(**options)
+    handed_off = [r for r in workload if r.max_tokens > 1]  # the rest end at their first
+    assert 0 < len(handed_off) < len(workload)
+    payload = json.loads(out.read_text())
+    aggregated, disaggregated = payload["aggregated"], payload["disaggregated"]
+    for mode in (aggregated, disaggregated):
+        assert (mode["num_ok"], mode["num_failed"]) == (len(workload), 0)
+    assert aggregated["total_output_tokens"] == disaggregated["total_output_tokens"]
+    assert aggregated["kv_transfer"]["num_handed_off"] == 0
+    kv = disaggregated["kv_transfer"]
+    assert kv["num_handed_off"] == len(handed_off)
+    # The tiny model's KV: 512 bytes a token, whole blocks of 16 tokens.
+    longest = max(len(r.prompt_token_ids) for r in handed_off)
+    assert kv["bytes"]["max"] == 512 * 16 * -(-longest // 16) and kv["transfer_s"]["p50"] > 0
+    assert "ITL p99 aggregated / disaggregated" in result.stdout
