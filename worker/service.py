@@ -27,6 +27,7 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -43,7 +44,7 @@ from shared.tables import ModelDeployment
 from worker import handoff, heartbeat, role, telemetry
 from worker.config import EngineConfig
 from worker.detokenizer import Decoder
-from worker.engine import Engine, EngineStats
+from worker.engine import ContinuousBatchingEngine, Engine, EngineStats
 from worker.intake import Intake, StreamEntry
 from worker.pool_service import PoolService
 from worker.publisher import Publisher
@@ -324,15 +325,15 @@ class Worker:
         """A prefill worker's sender (the engine's hand-off callback, and a task that keeps
         the decode workers' room current), or a decode worker's receiver."""
         config, handoffs = self._config, HandOffs(redis, self._settings.journal_ttl_s)
+        if config.role == handoff.ROLE_BOTH:
+            return []
+        if not isinstance(engine, ContinuousBatchingEngine):  # the CLI refuses such a role
+            raise ValueError("prefill and decode workers batch continuously on a model")
         if config.role == handoff.ROLE_PREFILL:
             self._sender = handoff.Sender(
-                redis,
-                engine.runner,
-                handoffs,
-                self.worker_id,
-                self._settings.broker_retry_s,  # type: ignore[attr-defined]  # a continuous engine: the CLI checks the role's batching
+                redis, engine.runner, handoffs, self.worker_id, self._settings.broker_retry_s
             )
-            engine.set_hand_off(self._sender)  # type: ignore[attr-defined]
+            engine.set_hand_off(self._sender)
             return [asyncio.create_task(self._watch_decoders(self._sender))]
         if config.role == handoff.ROLE_DECODE:
             loop = asyncio.get_running_loop()
@@ -554,15 +555,17 @@ class Worker:
         worker's (the hand-off accepted in Redis, its stream entry claimed); raises to
         refuse it."""
         engine, entry = serving.engine, arrival.entry()
+        assert isinstance(engine, ContinuousBatchingEngine)  # a decode worker's
         request_id = entry.request.request_id
         seq = handoff.continued_sequence(
             entry.request, arrival.header["first_token_id"], serving.tokenizer,
             serving.eos_token_ids,
         )  # fmt: skip
-        runner, layout, payload = engine.runner, arrival.layout(), arrival.transfer.payload  # type: ignore[attr-defined]
+        runner: Any = engine.runner  # a `ModelRunner`: it imports KV
+        layout, payload = arrival.layout(), arrival.transfer.payload
 
         def adopt() -> bool:
-            if not engine.adopt(seq, lambda blocks: runner.import_kv(blocks, layout, payload)):  # type: ignore[attr-defined]
+            if not engine.adopt(seq, lambda blocks: runner.import_kv(blocks, layout, payload)):
                 return False
             runner.import_sampling_state(request_id, seq.sampling, arrival.sampling_state())
             return True
