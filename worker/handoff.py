@@ -263,7 +263,9 @@ class Arrival:
 
 class Receiver:
     """The decode side: a thread that takes transfers at `endpoint` and waits for the worker
-    loop to adopt each (`take`, then `Arrival.verdict`) before it answers the sender."""
+    loop to adopt each (`take`, then `Arrival.verdict`) before it answers the sender. One the
+    loop has not started on within `ANSWER_TIMEOUT_S` is cancelled (refused): the loop must
+    skip it (`set_running_or_notify_cancel`)."""
 
     def __init__(self, endpoint: str, wake: Callable[[], object]) -> None:
         """`wake`: called from the receiving thread when a transfer arrives (it must be
@@ -288,7 +290,8 @@ class Receiver:
         self._stopping.set()
         self._thread.join()
         for arrival in self.take():  # came as the loop ended: refused
-            arrival.verdict.set_exception(KVTransferError("the decode worker is stopping"))
+            if arrival.verdict.set_running_or_notify_cancel():
+                arrival.verdict.set_exception(KVTransferError("the decode worker is stopping"))
         self._kv_receiver.close()
 
     def _serve(self) -> None:
@@ -301,7 +304,12 @@ class Receiver:
         arrival = Arrival(transfer)
         self._arrivals.put(arrival)
         self._wake()
-        arrival.verdict.result(timeout=ANSWER_TIMEOUT_S)
+        try:
+            arrival.verdict.result(timeout=ANSWER_TIMEOUT_S)
+        except TimeoutError:
+            if arrival.verdict.cancel():  # the loop will skip it: refused
+                raise KVTransferError("the worker loop did not take it in time") from None
+            arrival.verdict.result()  # being adopted right now: its verdict
 
 
 def continued_sequence(

@@ -528,6 +528,8 @@ class Worker:
             await self._take_back(serving)
         if self._receiver is not None:
             for arrival in self._receiver.take():
+                if not arrival.verdict.set_running_or_notify_cancel():
+                    continue  # the sender was told no: it keeps the request
                 try:
                     await self._adopt(serving, arrival)
                     arrival.verdict.set_result(None)

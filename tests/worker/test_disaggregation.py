@@ -28,6 +28,7 @@ from shared.tables import ModelDeployment
 from tests.factories import make_request
 from worker import handoff
 from worker.config import EngineConfig
+from worker.kv_link import KVSender, KVTransferRefused
 from worker.service import Worker, WorkerConfig
 
 TIMEOUT_S = 20.0
@@ -247,3 +248,18 @@ async def test_a_cancel_ends_the_request_on_the_decode_worker_and_frees_its_bloc
     beat = await pair.client.hgetall(keys.worker_heartbeat(decoder.worker_id))
     assert float(beat[b"kv_cache_usage"]) == 0.0 and beat[b"num_running"] == b"0"
     assert await pair.num_pending() == 0
+
+
+def test_a_transfer_the_loop_does_not_take_in_time_is_refused_and_then_skipped(monkeypatch):
+    monkeypatch.setattr(handoff, "ANSWER_TIMEOUT_S", 0.2)
+    receiver = handoff.Receiver("tcp://127.0.0.1:0", wake=lambda: None)
+    sender = KVSender()
+    header = {"request_id": "r", "layout": {}, "num_tokens": 4, "num_blocks": 1}
+    try:
+        with pytest.raises(KVTransferRefused, match="did not take it in time"):
+            sender.send(receiver.endpoint, header, b"\0" * 64, timeout_s=5.0)
+        (arrival,) = receiver.take()
+        assert not arrival.verdict.set_running_or_notify_cancel()  # the loop skips it
+    finally:
+        sender.close()
+        receiver.close()
