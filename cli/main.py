@@ -83,17 +83,35 @@ def up(
             "predictive+warm (LLMFLEET_AUTOSCALE_* settings; docs/operations.md).",
         ),
     ] = None,
+    roles: Annotated[
+        str | None,
+        typer.Option(
+            help="The workers' roles, one each (comma-separated; sets --workers): e.g. "
+            "prefill,decode runs the model disaggregated (docs/operations.md).",
+        ),
+    ] = None,
 ) -> None:
     """Start everything locally: Redis, the API, the control process and the workers, each
     restarted if it exits; print the URL and a dev key. Options after `--` go to every
     worker (`llmfleet worker --help`), e.g. `llmfleet up -- --max-num-seqs 16`."""
     from cli.up import WorkerPlan, check_worker_args, run_local
+    from worker.handoff import ROLES
 
     if autoscale is not None and autoscale not in AUTOSCALE_POLICIES:
         raise typer.BadParameter(
             f"one of {', '.join(AUTOSCALE_POLICIES)}", param_hint="--autoscale"
         )
-    plan = WorkerPlan(workers, worker_metrics_port, check_worker_args(ctx.args))
+    worker_roles = tuple(r.strip() for r in (roles or "").split(",") if r.strip())
+    if any(role not in ROLES for role in worker_roles):
+        raise typer.BadParameter(f"each one of {ROLES}", param_hint="--roles")
+    if worker_roles and autoscale is not None:
+        raise typer.BadParameter(
+            "the autoscaler starts workers of one kind: no --roles with it", param_hint="--roles"
+        )
+    plan = WorkerPlan(
+        len(worker_roles) or workers, worker_metrics_port, check_worker_args(ctx.args),
+        roles=worker_roles,
+    )  # fmt: skip
     run_local(get_settings(), model=model, batching=batching, workers=plan, autoscale=autoscale)
 
 

@@ -52,7 +52,7 @@ SUPERVISE_INTERVAL_S = 0.5
 # more before they are killed.
 STOP_MARGIN_S = 10.0
 # `--` and what follows go to every worker; these `up` sets itself.
-OWN_WORKER_OPTIONS = ("--model", "--metrics-port", "--batching", "--standby")
+OWN_WORKER_OPTIONS = ("--model", "--metrics-port", "--batching", "--standby", "--role")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,7 @@ class WorkerPlan:
     num_workers: int
     first_metrics_port: int  # worker i listens on this plus i; 0: none
     extra_args: tuple[str, ...] = ()
+    roles: tuple[str, ...] = ()  # worker i's `--role` (a disaggregated model); (): all `both`
 
     def metrics_port(self, index: int) -> int:
         return self.first_metrics_port + index if self.first_metrics_port else 0
@@ -215,6 +216,8 @@ def _spawn_worker(
 ) -> Child:
     port = plan.metrics_port(index)
     args = ["worker", "--model", model, "--batching", batching, "--metrics-port", str(port), *own]
+    if plan.roles:
+        args += ["--role", plan.roles[index]]
     return stack.spawn(f"worker-{index}", *args, *plan.extra_args, metrics_port=port or None)
 
 

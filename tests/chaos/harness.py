@@ -69,6 +69,7 @@ class Stack:
     roles: dict[int, str] = field(default_factory=dict)  # worker pid -> its role
     num_subscribers_dropped: int = 0
     held_by_killed: set[str] = field(default_factory=set)  # requests the killed worker held
+    in_transfer_at_kill: set[str] = field(default_factory=set)  # hand-offs offered, unanswered
     api_urls: list[str] = field(default_factory=list)
     apis: list[subprocess.Popen] = field(default_factory=list)
     control: subprocess.Popen | None = None
@@ -187,13 +188,27 @@ class Stack:
         raise AssertionError("no live worker serves these requests")
 
     def requests_owned_by(self, r: redis.Redis, pid: int) -> set[str]:
-        """Every request whose owner is the worker process `pid` (its id holds the pid)."""
+        """Every request whose owner is the worker process `pid` (its id holds the pid), and
+        every one a decode worker `pid` accepted from a prefill worker (it records itself as
+        the owner a moment after it accepts: stopped in between, it holds the request)."""
         owned = set()
         for key in r.scan_iter(keys.request_meta("*"), _type="hash"):
             owner = r.hget(key, "owner")
             if owner is not None and int(owner.decode().split("-")[-2]) == pid:
                 owned.add(key.decode().removeprefix(keys.request_meta("")))
+        for key in r.scan_iter(keys.handoff("*"), _type="hash"):
+            receiver, state = r.hmget(key, "receiver", "state")
+            if state == b"accepted" and int(receiver.decode().split("-")[-2]) == pid:
+                owned.add(key.decode().removeprefix(keys.handoff("")))
         return owned
+
+    def offered_hand_offs(self, r: redis.Redis) -> set[str]:
+        """Requests whose hand-off is offered and not yet accepted or withdrawn: in transfer."""
+        return {
+            key.decode().removeprefix(keys.handoff(""))
+            for key in r.scan_iter(keys.handoff("*"), _type="hash")
+            if r.hget(key, "state") == b"offered"
+        }
 
     def num_handed_off(self) -> int:
         """Requests a decode worker accepted from a prefill worker (`shared/handoff.py`)."""

@@ -91,9 +91,20 @@ async def _kill_role(stack: Stack, client: LoadClient, role: str) -> None:
 
 
 async def kill_prefill_worker(stack: Stack, client: LoadClient) -> None:
-    """Disaggregated: the prefill worker dies with sequences computed and on their way to
-    the decode worker, or offered and not yet taken."""
-    await _kill_role(stack, client, "prefill")
+    """Disaggregated: the prefill worker dies mid-transfer: stopped the moment one of its
+    hand-offs is offered and not yet answered, then killed."""
+    await _when_streaming(client, 8)
+    worker = stack.live_worker("prefill")
+    deadline = time.monotonic() + FAULT_WAIT_TIMEOUT_S
+    with stack.redis() as r:
+        while not (offered := await asyncio.to_thread(stack.offered_hand_offs, r)):
+            assert time.monotonic() < deadline, "no hand-off was ever in flight"
+            await asyncio.sleep(0.002)
+        worker.send_signal(signal.SIGSTOP)
+        stack.in_transfer_at_kill = offered
+        stack.held_by_killed = await asyncio.to_thread(stack.requests_owned_by, r, worker.pid)
+    worker.kill()
+    await asyncio.to_thread(stack.start_worker, "prefill")
 
 
 async def kill_decode_worker(stack: Stack, client: LoadClient) -> None:
@@ -166,6 +177,8 @@ def _fault_evidence(name: str, stack: Stack, logs: list, states: list[str]) -> s
         return "no request was handed from the prefill to the decode worker"
     if name in ("disagg_prefill_kill9", "disagg_decode_kill9") and not stack.held_by_killed:
         return "the killed worker held no request"
+    if name == "disagg_prefill_kill9" and not stack.in_transfer_at_kill:
+        return "no hand-off was in flight when the prefill worker was killed"
     if name == "disagg_kv_link_cut" and not (stack.kv_proxy and stack.kv_proxy.num_cut):
         return "no KV connection was cut"
     return None

@@ -19,7 +19,7 @@ import redis
 from cli.redis_server import free_port
 from shared import keys
 from shared.supervised import ProcessState
-from tests.helpers import UpProcess, auth, llmfleet, stream
+from tests.helpers import UpProcess, auth, get_usage, llmfleet, stream
 
 RESTART_TIMEOUT_S = 120.0
 
@@ -71,6 +71,36 @@ def test_up_starts_everything_and_stops_cleanly(up_env, tmp_path):
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{up.url}/healthz", timeout=2)
     assert not (tmp_path / "home" / "redis" / "redis.sock").exists()
+
+
+def test_up_with_roles_runs_the_model_disaggregated(up_env, tmp_path):
+    """`--roles prefill,decode`: a prefill and a decode worker; a request's first token comes
+    from the one, the rest from the other, and the client sees one whole stream."""
+    up = UpProcess.start(
+        up_env, tmp_path / "up.out", "--model", "tiny", "--roles", "prefill,decode"
+    )
+    client = redis.Redis(unix_socket_path=str(tmp_path / "home" / "redis" / "redis.sock"))
+    try:
+        up.wait_until_up()
+        deadline = time.monotonic() + 30  # the prefill worker reads the decode worker's room
+        while not client.zcard(keys.decode_workers("tiny@1")):
+            assert time.monotonic() < deadline, up.output
+            time.sleep(0.1)
+        time.sleep(1.0)
+        body = {"model": "tiny", "prompt": "hello there", "max_tokens": 8, "ignore_eos": True}
+        result = stream(up.url, "/v1/completions", up.key, body)
+        assert result.has_done
+        request_id = result.headers["x-request-id"]
+        usage = get_usage(up.url, up.key, request_id)
+        assert usage.status_code == 200, usage.text
+        assert usage.json()["output_tokens"] == 8  # the decode worker's, whole
+        record = client.hgetall(keys.handoff(request_id))
+        assert record[b"state"] == b"accepted" and int(record[b"bytes"]) > 0
+        roles = {client.hget(key, "role") for key in client.scan_iter(keys.worker_heartbeat("*"))}
+        assert roles == {b"prefill", b"decode"}
+    finally:
+        client.close()
+        up.stop(signal.SIGINT)
 
 
 def _processes(home) -> dict[str, ProcessState]:
