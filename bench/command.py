@@ -335,29 +335,38 @@ def bench(
         )
         _platform_load(plan, json_path)
         return
+    from bench.workload import make_workload
+
+    workload = make_workload(
+        num_requests,
+        seed=seed,
+        arrival=arrival,
+        rate_per_s=rate_per_s,
+        burst_window_s=burst_window_s,
+        prompt_tokens_min=prompt_tokens_min,
+        prompt_tokens_max=prompt_tokens_max,
+        output_tokens_mean=output_tokens_mean,
+        output_tokens_max=output_tokens_max,
+        long_prompt_fraction=long_prompt_fraction,
+        long_prompt_tokens=long_prompt_tokens,
+        shared_prefix_tokens=shared_prefix_tokens,
+    )
+    base = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_prefill_tokens=max_num_prefill_tokens,
+        shared_batched_tokens=shared_batched_tokens or None,
+        itl_target_ms=itl_target_ms,
+        kv_cache_gb=kv_cache_gb,
+        quantum_tokens=quantum_tokens,
+        burst_tokens=burst_tokens,
+        forward=forward,
+        prefix_caching=prefix_caching,
+        cuda_graphs=cuda_graphs,
+    )
     if disaggregation and simulate is None:
         from bench import disagg_stack
-        from bench.workload import make_workload
 
-        workload = make_workload(
-            num_requests,
-            seed=seed,
-            rate_per_s=rate_per_s,
-            prompt_tokens_min=prompt_tokens_min,
-            prompt_tokens_max=prompt_tokens_max,
-            output_tokens_mean=output_tokens_mean,
-            output_tokens_max=output_tokens_max,
-            long_prompt_fraction=long_prompt_fraction,
-            long_prompt_tokens=long_prompt_tokens,
-        )
-        base = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            shared_batched_tokens=shared_batched_tokens or None,
-            kv_cache_gb=kv_cache_gb,
-            forward=forward,
-            prefix_caching=prefix_caching,
-        )
         report = disagg_stack.run(workload, base, source, dtype, slo=(slo_ttft_s, slo_tpot_s))
         disagg_stack.print_report(report, typer.echo)
         if json_path:
@@ -365,7 +374,9 @@ def bench(
 
             bench_report.write_json(json_path, {
                 "workload": {
-                    "num_requests": num_requests, "seed": seed, "rate_per_s": rate_per_s,
+                    "num_requests": num_requests, "seed": seed, "arrival": arrival,
+                    "rate_per_s": rate_per_s, "burst_window_s": burst_window_s,
+                    "shared_prefix_tokens": shared_prefix_tokens,
                     "prompt_tokens": [prompt_tokens_min, prompt_tokens_max],
                     "output_tokens_mean": output_tokens_mean,
                     "output_tokens_max": output_tokens_max,
@@ -407,19 +418,6 @@ def bench(
         _roofline(source, dtype, forward, batch_sizes, roofline_context, json_path, cuda_graphs)
         return
     if scenario:
-        base = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_prefill_tokens=max_num_prefill_tokens,
-            shared_batched_tokens=shared_batched_tokens or None,
-            itl_target_ms=itl_target_ms,
-            kv_cache_gb=kv_cache_gb,
-            quantum_tokens=quantum_tokens,
-            burst_tokens=burst_tokens,
-            forward=forward,
-            prefix_caching=prefix_caching,
-            cuda_graphs=cuda_graphs,
-        )
         args = ScenarioArgs(
             scenario,
             seed,
@@ -436,22 +434,7 @@ def bench(
         _scenario(args, base, json_path)
         return
     from bench.client import run_http
-    from bench.workload import make_workload
 
-    workload = make_workload(
-        num_requests,
-        seed=seed,
-        arrival=arrival,
-        rate_per_s=rate_per_s,
-        burst_window_s=burst_window_s,
-        prompt_tokens_min=prompt_tokens_min,
-        prompt_tokens_max=prompt_tokens_max,
-        output_tokens_mean=output_tokens_mean,
-        output_tokens_max=output_tokens_max,
-        long_prompt_fraction=long_prompt_fraction,
-        long_prompt_tokens=long_prompt_tokens,
-        shared_prefix_tokens=shared_prefix_tokens,
-    )
     runs: dict[str, tuple[list, float, dict]] = {}
     if url:
         from bench.kv_sampler import KVSampler

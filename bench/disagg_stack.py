@@ -12,7 +12,8 @@ SLOs) and, from each request's hand-off record in Redis (`shared/handoff.py`), t
 sent and the seconds from the send to the decode worker's answer. `bench/disagg_sim.py` is
 the same comparison on a simulated clock.
 
-    llmfleet bench --disaggregation --num-requests 120 --rate-per-s 2 --long-prompt-fraction 0.1
+    llmfleet bench --disaggregation --arrival poisson --num-requests 120 --rate-per-s 2 \
+        --long-prompt-fraction 0.1
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,3 +290,20 @@ def journal_text(rdb, request_id: str) -> str:
     entries = rdb.xrange(keys.request_events(request_id))
     events = [decode_event(fields[b"e"]) for _, fields in entries]
     return "".join(e.text for e in events if isinstance(e, TokenEvent | FinalEvent))
+
+
+async def enqueue_request(
+    client, deployment, i: int, prompt: list[int], max_tokens: int, tenant_id: str = "t"
+) -> str:
+    """A request on its tenant's stream of `deployment`, as the API leaves it (`ignore_eos`,
+    a fresh id); its id. `client`: an asyncio Redis client."""
+    from tests.factories import make_request
+
+    request = make_request(i, prompt, max_tokens, tenant_id=tenant_id, ignore_eos=True)
+    request = request.model_copy(
+        update={"request_id": uuid.uuid4().hex, "model": deployment.model_id,
+                "arrival_ts": time.time()}
+    )  # fmt: skip
+    await client.sadd(keys.model_tenants(deployment.name), tenant_id)
+    await client.xadd(keys.tenant_stream(deployment.name, tenant_id), request.to_fields())
+    return request.request_id

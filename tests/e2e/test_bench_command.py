@@ -64,7 +64,8 @@ def test_bench_disaggregation_over_the_whole_stack(env, tiny_model_dir, tmp_path
     each pinned to a core; every request of the second that outlives its first token is
     handed off, its KV bytes and transfer time recorded."""
     out = tmp_path / "disagg.json"
-    options = {"num_requests": 6, "seed": 3, "rate_per_s": 16.0, "prompt_tokens_max": 40,
+    options = {"num_requests": 6, "seed": 3, "arrival": "poisson", "rate_per_s": 16.0,
+               "prompt_tokens_max": 40,
                "output_tokens_mean": 6.0, "output_tokens_max": 10,
                "long_prompt_fraction": 0.5, "long_prompt_tokens": 300}  # fmt: skip
     result = _bench(

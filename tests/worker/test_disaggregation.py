@@ -25,7 +25,7 @@ from shared.protocol import FinalEvent, FinishReason, TokenEvent, encode_cancel
 from shared.redis_conn import text
 from shared.settings import Settings
 from shared.tables import ModelDeployment
-from tests.factories import make_request
+from tests.helpers import enqueue_request
 from worker import handoff
 from worker.config import EngineConfig
 from worker.kv_link import KVSender, KVTransferRefused
@@ -82,17 +82,7 @@ class Fleet:
         return prefiller, decoder
 
     async def enqueue(self, i: int, prompt: list[int], max_tokens: int = MAX_TOKENS) -> str:
-        request = make_request(i, prompt, max_tokens, tenant_id="t", ignore_eos=True)
-        request = request.model_copy(
-            update={
-                "request_id": uuid.uuid4().hex,
-                "model": self.deployment.model_id,
-                "arrival_ts": time.time(),
-            }
-        )
-        await self.client.sadd(keys.model_tenants(self.deployment.name), "t")
-        await self.client.xadd(keys.tenant_stream(self.deployment.name, "t"), request.to_fields())
-        return request.request_id
+        return await enqueue_request(self.client, self.deployment, i, prompt, max_tokens)
 
     async def served(self, request_ids: list[str]) -> list[tuple[str, FinalEvent]]:
         """Each request's streamed text and final event, once all have ended."""

@@ -21,7 +21,7 @@ from shared.journal import Journal
 from shared.protocol import FinishReason
 from shared.redis_conn import text
 from shared.tables import ModelDeployment
-from tests.factories import make_request
+from tests.helpers import enqueue_request
 from worker import role
 from worker.config import EngineConfig
 from worker.engine import ContinuousBatchingEngine
@@ -62,17 +62,7 @@ class Running:
 
     async def enqueue(self, i: int, prompt: list[int], max_tokens: int) -> str:
         """A request on its tenant's stream, as the API leaves it; its id."""
-        request = make_request(i, prompt, max_tokens, tenant_id="t", ignore_eos=True)
-        request = request.model_copy(
-            update={
-                "request_id": uuid.uuid4().hex,
-                "model": self.deployment.model_id,
-                "arrival_ts": time.time(),
-            }
-        )
-        await self.client.sadd(keys.model_tenants(self.deployment.name), "t")
-        await self.client.xadd(self.stream, request.to_fields())
-        return request.request_id
+        return await enqueue_request(self.client, self.deployment, i, prompt, max_tokens)
 
     @property
     def stream(self) -> str:
