@@ -2,7 +2,9 @@
 
 The sources are in `csrc/` (`paged_attention.c`: attention over the paged KV cache,
 `cpu_attention.py`; `layer_ops.c`: a decoder layer's fused element-wise ops,
-`cpu_layer_ops.py`; `vec.h`: the vector type and helpers both use). The system's C compiler builds them into one library in a cache
+`cpu_layer_ops.py`; `few_rows.c`: bf16 matmuls of a few rows, `llama.py`'s `_Linear`;
+`decode_layers.c`: every layer of a decode step of a few sequences, `cpu_decode.py`;
+`vec.h`: the vector type and helpers they use). The system's C compiler builds them into one library in a cache
 directory (`LLMFLEET_KERNEL_CACHE`, else `~/.cache/llmfleet/kernels`; the file is named by a
 hash of the sources, the flags and the CPU's feature flags, since it is built for the CPU it
 runs on): no Python or torch headers, a few seconds to build. Their work is shared out with
@@ -33,7 +35,12 @@ from worker.runner.loader import cpu_flags
 
 log = logging.getLogger("llmfleet.worker")
 
-_SOURCES = ("paged_attention.c", "layer_ops.c")  # each includes "vec.h"
+_SOURCES = (
+    "paged_attention.c",
+    "layer_ops.c",
+    "few_rows.c",
+    "decode_layers.c",
+)  # each includes "vec.h"
 _HEADERS = ("vec.h",)
 # Not -ffast-math: a shared library built with it (GCC before 13) sets the CPU's flush-to-zero
 # and denormals-are-zero modes for the whole process when it is loaded, and every float in
@@ -48,6 +55,9 @@ _SIGNATURES = {  # name: (argument types, result type)
     "add_rms_norm": ((*[_P] * 4, _I, _I, _F, _I), None),
     "silu_mul": ((_P, _P, _I, _I, _I), None),
     "rope_write": ((*[_P] * 6, *[_I] * 6), None),
+    "few_rows_available": ((), _I),
+    "matmul_few_rows": ((*[_P] * 4, *[_I] * 3), _I),
+    "decode_layers": ((*[_P] * 9, _I, _I, _P), _I),
 }
 
 

@@ -14,6 +14,8 @@ the HF forward with our attention plugged in (`LlamaForward.supports`).
 
 from __future__ import annotations
 
+import ctypes
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.runner.cpu_decode import DecodeLayers
+from worker.runner.cpu_kernels import load
 from worker.runner.cpu_layer_ops import LayerOps
 from worker.runner.paged_attention import StepMetadata, attend
 
@@ -30,9 +34,12 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 class _Linear:
     """`y = x @ weight.T + bias`. On the CPU the weight is packed once into oneDNN's blocked
     layout (what inductor's freezing does): the matmul then skips the per-call reorder, with
-    identical results in bf16 (docs/benchmarks.md, "Our own forward")."""
+    identical results in bf16 (docs/benchmarks.md, "Our own forward"). A bf16 matmul of at
+    most 4 rows (a decode step of 1-4 sequences) takes the C kernel in `csrc/few_rows.c`
+    instead, which streams the weights at nearly the memory's rate where oneDNN's reached
+    about half of it (docs/benchmarks.md, "Few-row matmuls")."""
 
-    __slots__ = ("_packed", "bias", "weight")
+    __slots__ = ("_few_rows", "_packed", "bias", "max_few_rows", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
@@ -42,11 +49,47 @@ class _Linear:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             except RuntimeError:  # no oneDNN kernel for this dtype on this CPU
                 self._packed = None
+        self._few_rows = _few_rows_kernel(weight, bias)
+        self.max_few_rows = self._few_rows.few_rows_available() if self._few_rows else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= self.max_few_rows:
+            return self._matmul_few_rows(x)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def _matmul_few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], self.weight.shape[0])
+        failed = self._few_rows.matmul_few_rows(
+            x.data_ptr(),
+            self.weight.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            self.weight.shape[0],
+            self.weight.shape[1],
+        )
+        if failed:
+            raise RuntimeError(f"matmul_few_rows failed ({failed}) for {tuple(x.shape)}")
+        return out
+
+
+def _few_rows_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> ctypes.CDLL | None:
+    """The C kernels where `csrc/few_rows.c` can run this weight's matmuls (on the CPU, bf16,
+    rows a multiple of 32 long, a CPU with AVX512-BF16; `LLMFLEET_CPU_FEW_ROWS=0` turns it
+    off), else None."""
+    if os.environ.get("LLMFLEET_CPU_FEW_ROWS", "1") == "0":
+        return None
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    if not weight.is_contiguous() or weight.shape[1] % 32:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    library = load()
+    return library if library is not None and library.few_rows_available() > 0 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +127,8 @@ class LlamaForward:
             (config.hidden_size, config.intermediate_size),
             self.head_dim,
         )
+        # On the CPU, a decode step of 1-4 sequences through every layer in one C call
+        self.decode_layers = DecodeLayers.for_forward(self)
 
     @staticmethod
     def supports(model: Any) -> bool:
@@ -160,6 +205,12 @@ class LlamaForward:
         slot_mapping = step.slot_mapping.to(torch.int64).contiguous()
         num_q = self.num_heads * self.head_dim
         x = ops.rms_norm(hidden, self.layers[0].input_norm, self.eps)
+        if self._takes_decode_layers(hidden, step):
+            assert self.decode_layers is not None
+            self.decode_layers.run(
+                hidden, x, cos, sin, slot_mapping, k_pool, v_pool, step.decode_groups
+            )
+            return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             ops.rope_write(
@@ -175,6 +226,15 @@ class LlamaForward:
                 hidden += delta
         return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
 
+    def _takes_decode_layers(self, hidden: torch.Tensor, step: StepMetadata) -> bool:
+        """A decode-only step of few enough sequences, each group with its CPU tables."""
+        return (
+            self.decode_layers is not None
+            and hidden.shape[0] <= self.decode_layers.max_rows
+            and not step.prefills
+            and all(g.tables is not None and g.lengths is not None for g in step.decode_groups)
+        )
+
 
 def _fuse(layer: Any) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
@@ -185,7 +245,10 @@ def _fuse(layer: Any) -> _Layer:
         qkv=_Linear(
             _concat([p.weight for p in qkv]), _concat([p.bias for p in qkv]) if has_bias else None
         ),
-        o=_Linear(attn.o_proj.weight.detach()),
+        o=_Linear(
+            attn.o_proj.weight.detach(),
+            None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+        ),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         gate_up=_Linear(_concat([mlp.gate_proj.weight, mlp.up_proj.weight])),
         down=_Linear(mlp.down_proj.weight.detach()),

@@ -35,15 +35,6 @@ static inline void store_v(void *base, int64_t at, f16v v, const int BF16) {
     }
 }
 
-static inline f16v select_v(i32v mask, f16v yes, f16v no) {
-    i32v a, b;
-    memcpy(&a, &yes, sizeof a);
-    memcpy(&b, &no, sizeof b);
-    a = (mask & a) | (~mask & b);
-    memcpy(&yes, &a, sizeof yes);
-    return yes;
-}
-
 static inline f16v exp_v(f16v x) {
     const f16v zero = {0};
     x = select_v(x < -87.f, zero - 87.f, x);

@@ -27,6 +27,53 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* e^x of 16 lanes, each as exp_nonpositive computes it (the same operations, so the same
+ * bits): the round to an integer by the 1.5 * 2^23 trick, which rounds half to even as rintf
+ * does for |t| < 2^22. */
+static inline f16v exp_nonpositive_v(f16v x) {
+    const f16v lowest = (f16v){0} - 87.f, magic = (f16v){0} + 12582912.f;
+    x = select_v(x < lowest, lowest, x);
+    const f16v t = x * 1.4426950409f;
+    const f16v n = (t + magic) - magic;
+    const f16v f = (t - n) * 0.6931471806f;
+    f16v p = (f16v){0} + 1.f / 720;
+    p = p * f + 1.f / 120;
+    p = p * f + 1.f / 24;
+    p = p * f + 1.f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    const i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
+    f16v scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* The horizontal sums of 16 vectors, as one vector (lane j: hsum(v[j]), its lanes added in
+ * hsum's order): four levels of pairwise shuffles and adds, 15 in all, where 16 hsums take 64. */
+static inline f16v hsum16(const f16v v[16]) {
+    f16v a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* lanes l and l + 8 */
+        a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                                 (i32v){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(v[2 * i], v[2 * i + 1],
+                                 (i32v){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++) /* then 4 apart */
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (i32v){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (i32v){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++) /* 2 apart */
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (i32v){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (i32v){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(c[0], c[1], /* 1 apart */
+                             (i32v){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+           __builtin_shuffle(c[0], c[1],
+                             (i32v){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
 typedef struct {
     const void *q, *k_pool, *v_pool; /* [rows, heads, dim]; [kv_heads, blocks, block_size, dim] */
     const int32_t *tables, *lengths; /* [rows, max_blocks]; [rows] */
@@ -38,7 +85,8 @@ typedef struct {
 static inline __attribute__((always_inline)) int attend(const Step *s, const int DIMV,
                                                         const int BF16) {
     const int group = s->heads / s->kv_heads, dim = s->dim, bs = s->block_size;
-    const int max_len = s->max_blocks * bs > 0 ? s->max_blocks * bs : 1;
+    /* each query's scores, padded to whole vectors of 16 keys */
+    const int max_len = ((s->max_blocks * bs > 0 ? s->max_blocks * bs : 1) + 15) / 16 * 16;
     const int items = s->rows * s->kv_heads;
     int status = 0;
 #pragma omp parallel if (items > 1)
@@ -60,29 +108,51 @@ static inline __attribute__((always_inline)) int attend(const Step *s, const int
                 for (int c = 0; c < DIMV; c++)
                     q[g][c] = load_any(s->q, q_at + g * dim + c * 16, BF16) * s->scale;
             const int64_t head_at = (int64_t)kvh * s->num_blocks;
-            for (int p = 0; p < len; p++) { /* the scores: each key read once */
-                const int64_t at = ((head_at + table[p / bs]) * bs + p % bs) * dim;
-                f16v k[MAX_DIMV];
-                for (int c = 0; c < DIMV; c++) k[c] = load_any(s->k_pool, at + c * 16, BF16);
+            for (int p0 = 0; p0 < len; p0 += 16) { /* the scores, 16 keys at a time: each read once */
+                const int n = len - p0 < 16 ? len - p0 : 16;
+                f16v dots[MAX_GROUP][16];
+                int block = p0 / bs, offset = p0 % bs; /* p0 + j's place in the table */
+                for (int j = 0; j < 16; j++) {
+                    if (j >= n) {
+                        for (int g = 0; g < group; g++) dots[g][j] = (f16v){0};
+                        continue;
+                    }
+                    const int64_t at = ((head_at + table[block]) * bs + offset) * dim;
+                    if (++offset == bs) offset = 0, block++;
+                    f16v k[MAX_DIMV];
+                    for (int c = 0; c < DIMV; c++) k[c] = load_any(s->k_pool, at + c * 16, BF16);
+                    for (int g = 0; g < group; g++) {
+                        f16v dot = q[g][0] * k[0];
+                        for (int c = 1; c < DIMV; c++) dot += q[g][c] * k[c];
+                        dots[g][j] = dot;
+                    }
+                }
                 for (int g = 0; g < group; g++) {
-                    f16v dot = q[g][0] * k[0];
-                    for (int c = 1; c < DIMV; c++) dot += q[g][c] * k[c];
-                    scores[g * max_len + p] = hsum(dot);
+                    const f16v sums = hsum16(dots[g]);
+                    memcpy(scores + g * max_len + p0, &sums, sizeof sums);
                 }
             }
+            const int whole = len / 16 * 16;
             for (int g = 0; g < group; g++) { /* their softmax */
                 float *sc = scores + g * max_len, top = -INFINITY, sum = 0.f;
                 for (int p = 0; p < len; p++) top = sc[p] > top ? sc[p] : top;
-                for (int p = 0; p < len; p++) {
+                f16v sums = {0};
+                for (int p = 0; p < whole; p += 16) {
+                    const f16v e = exp_nonpositive_v(load_f32(sc + p) - top);
+                    memcpy(sc + p, &e, sizeof e);
+                    sums += e;
+                }
+                for (int p = whole; p < len; p++) {
                     sc[p] = exp_nonpositive(sc[p] - top);
                     sum += sc[p];
                 }
-                const float inv = 1.f / sum;
+                const float inv = 1.f / (hsum(sums) + sum);
                 for (int p = 0; p < len; p++) sc[p] *= inv;
                 for (int c = 0; c < DIMV; c++) acc[g][c] = (f16v){0};
             }
-            for (int p = 0; p < len; p++) { /* the weighted values: each value read once */
-                const int64_t at = ((head_at + table[p / bs]) * bs + p % bs) * dim;
+            for (int p = 0, block = 0, offset = 0; p < len; p++) { /* the weighted values */
+                const int64_t at = ((head_at + table[block]) * bs + offset) * dim;
+                if (++offset == bs) offset = 0, block++;
                 f16v v[MAX_DIMV];
                 for (int c = 0; c < DIMV; c++) v[c] = load_any(s->v_pool, at + c * 16, BF16);
                 for (int g = 0; g < group; g++) {

@@ -36,6 +36,16 @@ static inline float hsum(f16v v) {
     return v[0];
 }
 
+/* Lane by lane: yes where mask (a vector comparison's result) is set, else no. */
+static inline f16v select_v(i32v mask, f16v yes, f16v no) {
+    i32v a, b;
+    memcpy(&a, &yes, sizeof a);
+    memcpy(&b, &no, sizeof b);
+    a = (mask & a) | (~mask & b);
+    memcpy(&yes, &a, sizeof yes);
+    return yes;
+}
+
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
     union { uint32_t u; float f; } x;
     x.f = f;

@@ -1,0 +1,122 @@
+"""Decode steps of a few sequences on the CPU: the few-row matmul kernel against torch's
+matmul, and every layer in one C call (worker/runner/cpu_decode.py) against the fused forward
+it stands in for."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import tiny_model
+from tests.factories import CharDecoder, make_request, make_sequence_for
+from worker.engine import ContinuousBatchingEngine
+from worker.fair_queue import FairQueue
+from worker.kv_cache import KVCacheManager
+from worker.preemption import TenantAwarePreemption
+from worker.runner import cpu_kernels, llama
+from worker.runner.cpu_decode import DecodeLayers
+from worker.runner.model_runner import ModelRunner
+from worker.scheduler import Scheduler, SchedulerConfig
+
+_library = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(
+    _library is None or not _library.few_rows_available(),
+    reason="the few-row kernels need a C compiler and a CPU with AVX512-BF16",
+)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (37, 96), (1000, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + n)
+    weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    linear = llama._Linear(weight, bias)
+    assert linear.max_few_rows == 4
+    got, expected = linear(x), F.linear(x, weight, bias)
+    # fp32 sums in another order: equal but in a few elements, which differ by a bf16
+    # rounding step or, where the terms cancel, by fp32 rounding of the terms' magnitude
+    assert (got != expected).float().mean().item() <= 0.01
+    magnitude = x.float().abs() @ weight.float().abs().T
+    bound = expected.float().abs() * 2**-7 + magnitude * 2**-14
+    assert ((got.float() - expected.float()).abs() <= bound).all()
+
+
+def test_more_rows_and_other_weights_take_torchs_matmul():
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    assert llama._Linear(weight).max_few_rows == 4
+    assert llama._Linear(weight.float()).max_few_rows == 0  # bf16 only
+    assert llama._Linear(torch.randn(64, 48).to(torch.bfloat16)).max_few_rows == 0  # k % 32
+    x = torch.randn(5, 64).to(torch.bfloat16)  # five rows: torch's matmul, exactly
+    assert torch.equal(llama._Linear(weight)(x), F.linear(x, weight))
+
+
+def _serve(loaded, prompts: list[list[int]], decode_layers: bool, num_blocks: int):
+    """Each decode step's logits and every request's tokens, served together."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+        KVCacheManager(num_blocks, 4),
+        FairQueue(quantum_tokens=8),
+        TenantAwarePreemption(),
+    )
+    runner = ModelRunner(loaded, num_blocks, 4, "own")
+    forward = runner._forward  # the model's one forward, shared by its runners
+    assert forward is not None and forward.decode_layers is not None
+    if not decode_layers:
+        forward = copy.copy(forward)
+        forward.decode_layers = None
+    decode_logits = []
+    call = forward.__call__
+
+    def recording(input_ids, positions, k_pool, v_pool, step, keep):
+        logits = call(input_ids, positions, k_pool, v_pool, step, keep)
+        if not step.prefills:
+            decode_logits.append(logits.clone())
+        return logits
+
+    runner._forward = recording  # the runner calls it as a function
+    engine = ContinuousBatchingEngine(scheduler, runner)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        seq = make_sequence_for(make_request(i, prompt, 12, tenant_id=f"t{i}"), CharDecoder())
+        assert engine.add(seq) is None
+        seqs.append(seq)
+    while engine.has_work():
+        engine.step()
+    return decode_logits, [seq.output_token_ids for seq in seqs], scheduler.num_preemptions
+
+
+def test_the_decode_layers_are_the_fused_forward_bit_for_bit():
+    """Decodes of 1-4 sequences (prompts of different lengths, so several attention groups,
+    and preemption) give the same logits, to the bit, through the one C call as through the
+    fused forward's kernels called from Python."""
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    prompts = [list(range(1000, 1030)), [7, 7, 7, 7, 7, 7], list(range(2000, 2045, 3)), [42]]
+    rows_seen = set()
+    for num_blocks in (14, 40):  # with preemptions, then all four decoding together
+        logits_in_c, tokens_in_c, preempted = _serve(loaded, prompts, True, num_blocks)
+        logits, tokens, _ = _serve(loaded, prompts, False, num_blocks)
+        assert tokens_in_c == tokens
+        assert len(logits_in_c) == len(logits) > 5
+        for got, expected in zip(logits_in_c, logits, strict=True):
+            assert torch.equal(got, expected)
+        rows_seen |= {step.shape[0] for step in logits}
+        assert (preempted > 0) == (num_blocks == 14)
+    assert rows_seen >= {1, 3, 4}
+
+
+def test_decode_layers_are_built_only_where_they_can_run(monkeypatch):
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    assert llama.LlamaForward(loaded.model).decode_layers is not None
+    monkeypatch.setenv("LLMFLEET_CPU_DECODE_LAYERS", "0")
+    assert llama.LlamaForward(loaded.model).decode_layers is None
+    monkeypatch.delenv("LLMFLEET_CPU_DECODE_LAYERS")
+    loaded.model.to(torch.float32)
+    assert DecodeLayers.for_forward(llama.LlamaForward(loaded.model)) is None

@@ -1,0 +1,117 @@
+"""A decode step of a few sequences (1-4) through every decoder layer in one C call.
+
+At one sequence a layer of the default model streams its 7 MB of weights in about a quarter
+of a millisecond, and the Python between the kernels (the forward's glue, each kernel's
+argument conversion, each torch op's dispatch and allocation) added close to half of that
+again. `csrc/decode_layers.c` calls the same kernels in the same order as `llama.py`'s
+fused forward, so its results are that forward's bit for bit
+(tests/worker/test_cpu_decode.py); the weights' addresses are gathered once, here.
+
+`DecodeLayers.for_forward` is None where it cannot run: off the CPU, for dtypes other than
+bf16, without the fused layer ops or the few-row matmuls (a CPU without AVX512-BF16), or
+with `LLMFLEET_CPU_DECODE_LAYERS=0`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.runner.cpu_kernels import load
+from worker.runner.paged_attention import DecodeGroup
+
+if TYPE_CHECKING:
+    from worker.runner.llama import LlamaForward
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm",
+                                         "gate_up", "down")]  # fmt: skip
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [("tables", _P), ("lengths", _P), ("query_start", _I), ("rows", _I),
+                ("max_blocks", _I)]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", ctypes.POINTER(_LayerWeights)), *[(name, _I) for name in (
+        "num_layers", "hidden", "inter", "heads", "kv_heads", "dim", "num_blocks", "block_size"
+    )], ("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
+
+
+class DecodeLayers:
+    """`run(hidden, x, ...)`: every layer of a decode step of at most `max_rows` sequences."""
+
+    def __init__(self, library: ctypes.CDLL, forward: LlamaForward, max_rows: int) -> None:
+        self._library = library
+        self.max_rows = max_rows
+        self._weights = (_LayerWeights * len(forward.layers))()
+        for entry, layer in zip(self._weights, forward.layers, strict=True):
+            entry.input_norm = layer.input_norm.data_ptr()
+            entry.qkv = layer.qkv.weight.data_ptr()
+            entry.qkv_bias = None if layer.qkv.bias is None else layer.qkv.bias.data_ptr()
+            entry.o = layer.o.weight.data_ptr()
+            entry.post_norm = layer.post_norm.data_ptr()
+            entry.gate_up = layer.gate_up.weight.data_ptr()
+            entry.down = layer.down.weight.data_ptr()
+        self._forward = forward
+        self._hidden = forward.embed.shape[1]
+        self._inter = forward.layers[0].down.weight.shape[1]
+        width = (3 * forward.num_heads + 2 * forward.num_kv_heads) * forward.head_dim
+        self._scratch_per_row = width + self._hidden + 3 * self._inter
+
+    @classmethod
+    def for_forward(cls, forward: LlamaForward) -> DecodeLayers | None:
+        if os.environ.get("LLMFLEET_CPU_DECODE_LAYERS", "1") == "0" or forward.ops is None:
+            return None
+        if forward.embed.device.type != "cpu" or forward.embed.dtype != torch.bfloat16:
+            return None
+        library = load()
+        if library is None or not forward.layers:
+            return None
+        linears = [forward.lm_head] + [
+            linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]  # fmt: skip
+        max_rows = min(linear.max_few_rows for linear in linears)
+        if max_rows < 1 or any(layer.o.bias is not None for layer in forward.layers):
+            return None
+        return cls(library, forward, max_rows)
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden]: the embedded tokens; the residual stream after
+        x: torch.Tensor,  # the first layer's input norm of hidden
+        cos: torch.Tensor,  # [rows, head_dim], contiguous
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [rows] int64, contiguous
+        k_pool: torch.Tensor,  # [layers, kv_heads, blocks, block_size, head_dim], contiguous
+        v_pool: torch.Tensor,
+        groups: list[DecodeGroup],  # each with its int32 tables and lengths (the CPU's)
+    ) -> None:
+        forward, rows = self._forward, hidden.shape[0]
+        _, _, num_blocks, block_size, _ = k_pool.shape
+        model = _Model(
+            self._weights, len(forward.layers), self._hidden, self._inter, forward.num_heads,
+            forward.num_kv_heads, forward.head_dim, num_blocks, block_size, forward.eps,
+            forward.scaling,
+        )  # fmt: skip
+        entries = (_Group * len(groups))()
+        for entry, group in zip(entries, groups, strict=True):
+            assert group.tables is not None and group.lengths is not None
+            entry.tables, entry.lengths = group.tables.data_ptr(), group.lengths.data_ptr()
+            entry.query_start, entry.rows = group.query_start, group.query_end - group.query_start
+            entry.max_blocks = group.tables.shape[1]
+        scratch = hidden.new_empty(rows * self._scratch_per_row)
+        status = self._library.decode_layers(
+            ctypes.byref(model), hidden.data_ptr(), x.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), slot_mapping.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+            entries, len(groups), rows, scratch.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"decode_layers failed ({status})")

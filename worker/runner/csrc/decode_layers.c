@@ -1,0 +1,93 @@
+/* Every decoder layer of a decode step of a few sequences (1-4) in one call: what
+ * `llama.py`'s fused forward does layer by layer from Python, here with no Python between
+ * the kernels. At one sequence a layer's weights stream in about a quarter of a millisecond,
+ * and the forward's Python glue, the kernels' argument conversion and each torch op's
+ * dispatch added close to half of that again (docs/benchmarks.md, "Few-row matmuls").
+ *
+ * The kernels are this library's own, called in the order `_fused_forward` calls them, so
+ * the results are that forward's bit for bit: the matmuls (`few_rows.c`), RoPE and the pool
+ * writes, the residual adds and norms, SiLU (`layer_ops.c`), and the attention over the
+ * paged pool (`paged_attention.c`), one call per group of decodes. bf16 only. */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+
+/* The other sources' entry points (one library). */
+int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int rows, int n, int k);
+int paged_decode(const void *q, const void *k_pool, const void *v_pool, const int32_t *tables,
+                 const int32_t *lengths, void *out, int rows, int heads, int kv_heads,
+                 int num_blocks, int block_size, int dim, int max_blocks, int is_bf16,
+                 float scale);
+void add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int rows,
+                  int dim, float eps, int is_bf16);
+void silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16);
+void rope_write(void *qkv, const void *cos, const void *sin, void *k_pool, void *v_pool,
+                const int64_t *slots, int tokens, int heads, int kv_heads, int dim,
+                int num_slots, int is_bf16);
+
+typedef struct { /* one layer's weights, bf16, as `llama.py`'s _Layer holds them */
+    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+} LayerWeights;
+
+typedef struct { /* a group of decodes attended in one call (`DecodeGroup`) */
+    const int32_t *tables, *lengths; /* [rows, max_blocks], [rows] */
+    int query_start, rows, max_blocks;
+} Group;
+
+typedef struct {
+    const LayerWeights *layers;
+    int num_layers, hidden, inter, heads, kv_heads, dim, num_blocks, block_size;
+    float eps, scale;
+} Model;
+
+/* hidden [rows, hidden]: the embedded tokens in, the last layer's residual stream out.
+ * x: the first layer's input norm of it. scratch: rows * ((3 * heads + 2 * kv_heads) * dim +
+ * hidden + 3 * inter) bf16 values. */
+int decode_layers(const Model *m, uint16_t *hidden, uint16_t *x, const uint16_t *cos,
+                  const uint16_t *sin, const int64_t *slots, uint16_t *k_pool, uint16_t *v_pool,
+                  const Group *groups, int num_groups, int rows, uint16_t *scratch) {
+    const int hd = m->hidden, q_width = m->heads * m->dim;
+    const int qkv_width = q_width + 2 * m->kv_heads * m->dim;
+    const int64_t layer_pool = (int64_t)m->kv_heads * m->num_blocks * m->block_size * m->dim;
+    uint16_t *qkv = scratch, *q = qkv + (int64_t)rows * qkv_width, *attn = q + (int64_t)rows * q_width;
+    uint16_t *delta = attn + (int64_t)rows * q_width, *gate_up = delta + (int64_t)rows * hd;
+    uint16_t *act = gate_up + (int64_t)rows * 2 * m->inter;
+    int status;
+    for (int i = 0; i < m->num_layers; i++) {
+        const LayerWeights *l = &m->layers[i];
+        uint16_t *k_layer = k_pool + i * layer_pool, *v_layer = v_pool + i * layer_pool;
+        if ((status = matmul_few_rows(x, l->qkv, l->qkv_bias, qkv, rows, qkv_width, hd))) return status;
+        rope_write(qkv, cos, sin, k_layer, v_layer, slots, rows, m->heads, m->kv_heads, m->dim,
+                   m->num_blocks * m->block_size, 1);
+        for (int r = 0; r < rows; r++) /* the queries, out of the fused projection's rows */
+            memcpy(q + (int64_t)r * q_width, qkv + (int64_t)r * qkv_width, (size_t)q_width * 2);
+        for (int g = 0; g < num_groups; g++) {
+            const Group *group = &groups[g];
+            const int64_t at = (int64_t)group->query_start * q_width;
+            if ((status = paged_decode(q + at, k_layer, v_layer, group->tables, group->lengths,
+                                       attn + at, group->rows, m->heads, m->kv_heads,
+                                       m->num_blocks, m->block_size, m->dim, group->max_blocks,
+                                       1, m->scale)))
+                return status;
+        }
+        if ((status = matmul_few_rows(attn, l->o, NULL, delta, rows, hd, q_width))) return status;
+        add_rms_norm(hidden, delta, l->post_norm, x, rows, hd, m->eps, 1);
+        if ((status = matmul_few_rows(x, l->gate_up, NULL, gate_up, rows, 2 * m->inter, hd))) return status;
+        silu_mul(gate_up, act, rows, m->inter, 1);
+        if ((status = matmul_few_rows(act, l->down, NULL, delta, rows, hd, m->inter))) return status;
+        if (i + 1 < m->num_layers) {
+            add_rms_norm(hidden, delta, m->layers[i + 1].input_norm, x, rows, hd, m->eps, 1);
+        } else {
+            for (int64_t j = 0; j < (int64_t)rows * hd; j++) { /* the last residual add */
+                const uint32_t a = (uint32_t)hidden[j] << 16, b = (uint32_t)delta[j] << 16;
+                float fa, fb;
+                memcpy(&fa, &a, 4);
+                memcpy(&fb, &b, 4);
+                hidden[j] = to_bf16(fa + fb);
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,91 @@
+/* `y = x @ w.T + bias` for a bf16 matmul of a few rows (a decode step of 1-4 sequences):
+ * x [rows, k], w [n, k] as nn.Linear keeps it, bias [n] or NULL, y [rows, n]; fp32 sums,
+ * rounded to bf16 once, as torch's matmul does.
+ *
+ * With so few rows the matmul reads each weight once and does almost no arithmetic with it:
+ * its time is the time to stream the weights from memory. Each thread takes a contiguous run
+ * of w's rows and reads it front to back, one row at a time (a single sequential stream per
+ * thread, which the hardware prefetcher follows at full rate), and dots each row with the
+ * few rows of x, which stay in L1. oneDNN's matmul at one row read the same weights at about
+ * half that rate here (docs/benchmarks.md, "Few-row matmuls"). k is a multiple of 32 (checked
+ * by the caller). */
+#include <stdint.h>
+
+#include "vec.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int omp_threads(void) { return omp_get_num_threads(); }
+static inline int omp_thread(void) { return omp_get_thread_num(); }
+#else
+static inline int omp_threads(void) { return 1; }
+static inline int omp_thread(void) { return 0; }
+#endif
+
+#define MAX_ROWS 4
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+int few_rows_available(void) { return MAX_ROWS; }
+
+static inline __m512bh load_pairs(const uint16_t *p) {
+    return (__m512bh)_mm512_loadu_si512(p);
+}
+
+/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x; two sums a row of x, so that the
+ * dot-product instructions of one weight row do not wait on each other. */
+static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                            uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
+    for (int j = n0; j < n1; j++) {
+        const uint16_t *wj = w + (int64_t)j * k;
+        __m512 sum[MAX_ROWS][2];
+        for (int r = 0; r < ROWS; r++) sum[r][0] = sum[r][1] = _mm512_setzero_ps();
+        int i = 0;
+        for (; i + 64 <= k; i += 64) {
+            const __m512bh w0 = load_pairs(wj + i), w1 = load_pairs(wj + i + 32);
+            for (int r = 0; r < ROWS; r++) {
+                sum[r][0] = _mm512_dpbf16_ps(sum[r][0], w0, load_pairs(x + (int64_t)r * k + i));
+                sum[r][1] = _mm512_dpbf16_ps(sum[r][1], w1, load_pairs(x + (int64_t)r * k + i + 32));
+            }
+        }
+        if (i < k) {
+            const __m512bh w0 = load_pairs(wj + i);
+            for (int r = 0; r < ROWS; r++)
+                sum[r][0] = _mm512_dpbf16_ps(sum[r][0], w0, load_pairs(x + (int64_t)r * k + i));
+        }
+        float b = 0.f;
+        if (bias) {
+            const uint32_t bits = (uint32_t)bias[j] << 16;
+            memcpy(&b, &bits, sizeof b);
+        }
+        for (int r = 0; r < ROWS; r++)
+            y[(int64_t)r * n + j] =
+                to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(sum[r][0], sum[r][1])) + b);
+    }
+}
+
+int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int rows, int n, int k) {
+    if (rows < 1 || rows > MAX_ROWS || k % 32 || n < 1) return -2;
+#pragma omp parallel
+    {
+        const int threads = omp_threads(), t = omp_thread();
+        const int per = (n + threads - 1) / threads;
+        const int n0 = t * per < n ? t * per : n, n1 = n0 + per < n ? n0 + per : n;
+        switch (rows) { /* a constant row count, so the loops over x's rows unroll */
+        case 1: dot_rows(x, w, bias, y, 1, n, k, n0, n1); break;
+        case 2: dot_rows(x, w, bias, y, 2, n, k, n0, n1); break;
+        case 3: dot_rows(x, w, bias, y, 3, n, k, n0, n1); break;
+        default: dot_rows(x, w, bias, y, 4, n, k, n0, n1); break;
+        }
+    }
+    return 0;
+}
+#else
+int few_rows_available(void) { return 0; }
+int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int rows, int n, int k) {
+    return -3; /* not built for this CPU: the caller takes torch's matmul */
+}
+#endif
