@@ -78,16 +78,99 @@ typedef struct {
     const void *q, *k_pool, *v_pool; /* [rows, heads, dim]; [kv_heads, blocks, block_size, dim] */
     const int32_t *tables, *lengths; /* [rows, max_blocks]; [rows] */
     void *out;                       /* [rows, heads, dim] */
-    int rows, heads, kv_heads, num_blocks, block_size, dim, max_blocks;
+    int rows, heads, kv_heads, num_blocks, block_size, dim, max_blocks, is_bf16;
     float scale;
 } Step;
 
-static inline __attribute__((always_inline)) int attend(const Step *s, const int DIMV,
-                                                        const int BF16) {
+/* One sequence's queries of one KV head (`item`): their scores against its keys, the
+ * softmax, and the weighted values. Inlined with DIMV and BF16 literal constants where the
+ * parallel loop below calls it: inside the loop, not around it, since OpenMP outlines a
+ * parallel region before inlining and a constant passed around it reaches the region as a
+ * runtime value (the vector loops then run on a count they test at every step). */
+static inline __attribute__((always_inline)) void attend_item(const Step *s, int item,
+                                                             float *scores, int max_len,
+                                                             const int DIMV, const int BF16) {
     const int group = s->heads / s->kv_heads, dim = s->dim, bs = s->block_size;
+    f16v q[MAX_GROUP][MAX_DIMV], acc[MAX_GROUP][MAX_DIMV];
+    const int row = item / s->kv_heads, kvh = item % s->kv_heads;
+    const int len = s->lengths[row];
+    const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
+    const int64_t q_at = ((int64_t)row * s->heads + (int64_t)kvh * group) * dim;
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < DIMV; c++)
+            q[g][c] = load_any(s->q, q_at + g * dim + c * 16, BF16) * s->scale;
+    const int64_t head_at = (int64_t)kvh * s->num_blocks;
+    for (int g = 0; g < group; g++) { /* the scores, a query at a time (its vectors
+        stay in registers; the keys, read again for each query, in L1), 16 keys at once */
+        f16v qg[MAX_DIMV];
+        for (int c = 0; c < DIMV; c++) qg[c] = q[g][c];
+        for (int p0 = 0; p0 < len; p0 += 16) {
+            const int n = len - p0 < 16 ? len - p0 : 16;
+            int block = p0 / bs, offset = p0 % bs; /* p0 + j's place in the table */
+            f16v dots[16];
+            for (int j = 0; j < 16; j++) {
+                if (j >= n) {
+                    dots[j] = (f16v){0};
+                    continue;
+                }
+                const int64_t at = ((head_at + table[block]) * bs + offset) * dim;
+                if (++offset == bs) offset = 0, block++;
+                f16v dot = qg[0] * load_any(s->k_pool, at, BF16);
+                for (int c = 1; c < DIMV; c++) dot += qg[c] * load_any(s->k_pool, at + c * 16, BF16);
+                dots[j] = dot;
+            }
+            const f16v sums = hsum16(dots);
+            memcpy(scores + g * max_len + p0, &sums, sizeof sums);
+        }
+    }
+    const int whole = len / 16 * 16;
+    for (int g = 0; g < group; g++) { /* their softmax */
+        float *sc = scores + g * max_len, top = -INFINITY, sum = 0.f;
+        for (int p = 0; p < len; p++) top = sc[p] > top ? sc[p] : top;
+        f16v sums = {0};
+        for (int p = 0; p < whole; p += 16) {
+            const f16v e = exp_nonpositive_v(load_f32(sc + p) - top);
+            memcpy(sc + p, &e, sizeof e);
+            sums += e;
+        }
+        for (int p = whole; p < len; p++) {
+            sc[p] = exp_nonpositive(sc[p] - top);
+            sum += sc[p];
+        }
+        const float inv = 1.f / (hsum(sums) + sum);
+        for (int p = 0; p < len; p++) sc[p] *= inv;
+    }
+    for (int g = 0; g < group; g++) { /* the weighted values, a query at a time */
+        const float *w = scores + g * max_len;
+        f16v sum[MAX_DIMV];
+        for (int c = 0; c < DIMV; c++) sum[c] = (f16v){0};
+        for (int p = 0, block = 0, offset = 0; p < len; p++) {
+            const int64_t at = ((head_at + table[block]) * bs + offset) * dim;
+            if (++offset == bs) offset = 0, block++;
+            for (int c = 0; c < DIMV; c++)
+                sum[c] += w[p] * load_any(s->v_pool, at + c * 16, BF16);
+        }
+        for (int c = 0; c < DIMV; c++) acc[g][c] = sum[c];
+    }
+    for (int g = 0; g < group; g++) {
+        for (int c = 0; c < DIMV; c++) {
+            const int64_t at = q_at + g * dim + c * 16;
+            if (BF16) {
+                uint16_t *out = (uint16_t *)s->out + at;
+                for (int i = 0; i < 16; i++) out[i] = to_bf16(acc[g][c][i]);
+            } else {
+                memcpy((float *)s->out + at, &acc[g][c], sizeof(f16v));
+            }
+        }
+    }
+}
+
+static int attend(const Step *s) {
+    const int group = s->heads / s->kv_heads, bs = s->block_size;
     /* each query's scores, padded to whole vectors of 16 keys */
     const int max_len = ((s->max_blocks * bs > 0 ? s->max_blocks * bs : 1) + 15) / 16 * 16;
     const int items = s->rows * s->kv_heads;
+    const int bf16 = s->is_bf16, vectors = s->dim / 16;
     int status = 0;
 #pragma omp parallel if (items > 1)
     {
@@ -96,94 +179,21 @@ static inline __attribute__((always_inline)) int attend(const Step *s, const int
 #pragma omp atomic write
             status = -1;
         }
-        f16v q[MAX_GROUP][MAX_DIMV], acc[MAX_GROUP][MAX_DIMV];
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
             if (scores == NULL) continue;
-            const int row = item / s->kv_heads, kvh = item % s->kv_heads;
-            const int len = s->lengths[row];
-            const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
-            const int64_t q_at = ((int64_t)row * s->heads + (int64_t)kvh * group) * dim;
-            for (int g = 0; g < group; g++)
-                for (int c = 0; c < DIMV; c++)
-                    q[g][c] = load_any(s->q, q_at + g * dim + c * 16, BF16) * s->scale;
-            const int64_t head_at = (int64_t)kvh * s->num_blocks;
-            for (int p0 = 0; p0 < len; p0 += 16) { /* the scores, 16 keys at a time: each read once */
-                const int n = len - p0 < 16 ? len - p0 : 16;
-                f16v dots[MAX_GROUP][16];
-                int block = p0 / bs, offset = p0 % bs; /* p0 + j's place in the table */
-                for (int j = 0; j < 16; j++) {
-                    if (j >= n) {
-                        for (int g = 0; g < group; g++) dots[g][j] = (f16v){0};
-                        continue;
-                    }
-                    const int64_t at = ((head_at + table[block]) * bs + offset) * dim;
-                    if (++offset == bs) offset = 0, block++;
-                    f16v k[MAX_DIMV];
-                    for (int c = 0; c < DIMV; c++) k[c] = load_any(s->k_pool, at + c * 16, BF16);
-                    for (int g = 0; g < group; g++) {
-                        f16v dot = q[g][0] * k[0];
-                        for (int c = 1; c < DIMV; c++) dot += q[g][c] * k[c];
-                        dots[g][j] = dot;
-                    }
-                }
-                for (int g = 0; g < group; g++) {
-                    const f16v sums = hsum16(dots[g]);
-                    memcpy(scores + g * max_len + p0, &sums, sizeof sums);
-                }
-            }
-            const int whole = len / 16 * 16;
-            for (int g = 0; g < group; g++) { /* their softmax */
-                float *sc = scores + g * max_len, top = -INFINITY, sum = 0.f;
-                for (int p = 0; p < len; p++) top = sc[p] > top ? sc[p] : top;
-                f16v sums = {0};
-                for (int p = 0; p < whole; p += 16) {
-                    const f16v e = exp_nonpositive_v(load_f32(sc + p) - top);
-                    memcpy(sc + p, &e, sizeof e);
-                    sums += e;
-                }
-                for (int p = whole; p < len; p++) {
-                    sc[p] = exp_nonpositive(sc[p] - top);
-                    sum += sc[p];
-                }
-                const float inv = 1.f / (hsum(sums) + sum);
-                for (int p = 0; p < len; p++) sc[p] *= inv;
-                for (int c = 0; c < DIMV; c++) acc[g][c] = (f16v){0};
-            }
-            for (int p = 0, block = 0, offset = 0; p < len; p++) { /* the weighted values */
-                const int64_t at = ((head_at + table[block]) * bs + offset) * dim;
-                if (++offset == bs) offset = 0, block++;
-                f16v v[MAX_DIMV];
-                for (int c = 0; c < DIMV; c++) v[c] = load_any(s->v_pool, at + c * 16, BF16);
-                for (int g = 0; g < group; g++) {
-                    const float w = scores[g * max_len + p];
-                    for (int c = 0; c < DIMV; c++) acc[g][c] += w * v[c];
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                for (int c = 0; c < DIMV; c++) {
-                    const int64_t at = q_at + g * dim + c * 16;
-                    if (BF16) {
-                        uint16_t *out = (uint16_t *)s->out + at;
-                        for (int i = 0; i < 16; i++) out[i] = to_bf16(acc[g][c][i]);
-                    } else {
-                        memcpy((float *)s->out + at, &acc[g][c], sizeof(f16v));
-                    }
-                }
-            }
+            /* the common head dimensions get their own copy, the vector count a constant */
+            if (vectors == 4 && bf16) attend_item(s, item, scores, max_len, 4, 1);
+            else if (vectors == 4) attend_item(s, item, scores, max_len, 4, 0);
+            else if (vectors == 8 && bf16) attend_item(s, item, scores, max_len, 8, 1);
+            else if (vectors == 8) attend_item(s, item, scores, max_len, 8, 0);
+            else if (bf16) attend_item(s, item, scores, max_len, vectors, 1);
+            else attend_item(s, item, scores, max_len, vectors, 0);
         }
         free(scores);
     }
     return status;
 }
-
-/* The common head dimensions get their own copy, with the vector count a constant. */
-static int attend_64_bf16(const Step *s) { return attend(s, 4, 1); }
-static int attend_64_f32(const Step *s) { return attend(s, 4, 0); }
-static int attend_128_bf16(const Step *s) { return attend(s, 8, 1); }
-static int attend_128_f32(const Step *s) { return attend(s, 8, 0); }
-static int attend_any_bf16(const Step *s) { return attend(s, s->dim / 16, 1); }
-static int attend_any_f32(const Step *s) { return attend(s, s->dim / 16, 0); }
 
 int paged_decode(const void *q, const void *k_pool, const void *v_pool,
                  const int32_t *tables, const int32_t *lengths, void *out,
@@ -192,11 +202,9 @@ int paged_decode(const void *q, const void *k_pool, const void *v_pool,
     if (dim % 16 || dim / 16 > MAX_DIMV || kv_heads < 1 || heads % kv_heads ||
         heads / kv_heads > MAX_GROUP)
         return -2;
-    const Step s = {q, k_pool, v_pool, tables, lengths, out,
-                    rows, heads, kv_heads, num_blocks, block_size, dim, max_blocks, scale};
-    if (dim == 64) return is_bf16 ? attend_64_bf16(&s) : attend_64_f32(&s);
-    if (dim == 128) return is_bf16 ? attend_128_bf16(&s) : attend_128_f32(&s);
-    return is_bf16 ? attend_any_bf16(&s) : attend_any_f32(&s);
+    const Step s = {q, k_pool, v_pool, tables, lengths, out, rows, heads, kv_heads,
+                    num_blocks, block_size, dim, max_blocks, is_bf16, scale};
+    return attend(&s);
 }
 
 /* ---- Prompt (prefill) attention: bf16 on CPUs with AVX512-BF16 dot products ---------------
