@@ -8,8 +8,8 @@ fused forward, so its results are that forward's bit for bit
 (tests/worker/test_cpu_decode.py); the weights' addresses are gathered once, here.
 
 `DecodeLayers.for_forward` is None where it cannot run: off the CPU, for dtypes other than
-bf16, without the fused layer ops or the few-row matmuls (a CPU without AVX512-BF16), or
-with `LLMFLEET_CPU_DECODE_LAYERS=0`.
+bf16, without the fused layer ops or the few-row matmuls (a CPU without AVX512-BF16), for
+attention shapes the decode kernel does not take, or with `LLMFLEET_CPU_DECODE_LAYERS=0`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.runner import cpu_attention
 from worker.runner.cpu_kernels import load
 from worker.runner.paged_attention import DecodeGroup
 
@@ -80,6 +81,12 @@ class DecodeLayers:
         ]  # fmt: skip
         max_rows = min(linear.max_few_rows for linear in linears)
         if max_rows < 1 or any(layer.o.bias is not None for layer in forward.layers):
+            return None
+        group = forward.num_heads // forward.num_kv_heads  # the attention kernel's shapes
+        if (
+            group > cpu_attention.MAX_QUERIES_PER_KV_HEAD
+            or forward.head_dim > cpu_attention.MAX_HEAD_DIM
+        ):
             return None
         return cls(library, forward, max_rows)
 

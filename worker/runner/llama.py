@@ -60,6 +60,7 @@ class _Linear:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def _matmul_few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        assert self._few_rows is not None  # max_few_rows is 0 without it
         x = x.contiguous()
         out = x.new_empty(x.shape[0], self.weight.shape[0])
         failed = self._few_rows.matmul_few_rows(
