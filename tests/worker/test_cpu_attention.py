@@ -25,7 +25,7 @@ def _case(dtype, *, heads, kv_heads, head_dim, block_size, lengths, num_blocks=6
         [torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in lengths]
     )
     q = torch.randn(heads, len(lengths), head_dim, generator=generator).to(dtype)
-    return q, k_pool, v_pool, decode_group(0, tables, lengths, k_pool)
+    return q, k_pool, v_pool, decode_group(0, tables, lengths)
 
 
 @needs_kernel

@@ -110,7 +110,6 @@ class DecodeLayers:
         )  # fmt: skip
         entries = (_Group * len(groups))()
         for entry, group in zip(entries, groups, strict=True):
-            assert group.tables is not None and group.lengths is not None
             entry.tables, entry.lengths = group.tables.data_ptr(), group.lengths.data_ptr()
             entry.query_start, entry.rows = group.query_start, group.query_end - group.query_start
             entry.max_blocks = group.tables.shape[1]

@@ -228,12 +228,11 @@ class LlamaForward:
         return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
 
     def _takes_decode_layers(self, hidden: torch.Tensor, step: StepMetadata) -> bool:
-        """A decode-only step of few enough sequences, each group with its CPU tables."""
+        """A decode-only step of few enough sequences."""
         return (
             self.decode_layers is not None
             and hidden.shape[0] <= self.decode_layers.max_rows
             and not step.prefills
-            and all(g.tables is not None and g.lengths is not None for g in step.decode_groups)
         )
 
 

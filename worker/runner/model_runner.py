@@ -394,9 +394,8 @@ class ModelRunner:
         tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in decodes]
         return decode_group(
             query_start,
-            torch.tensor(tables, device=self._device),
-            torch.tensor([c.end for c in decodes], device=self._device),
-            self._k_pool,
+            torch.tensor(tables, dtype=torch.int32, device=self._device),
+            torch.tensor([c.end for c in decodes], dtype=torch.int32, device=self._device),
         )
 
     def _pool_rows(self, block_ids: torch.Tensor) -> torch.Tensor:
@@ -435,7 +434,7 @@ def _graph_step(
     # The inputs are columns of the static buffer (strided): copied out inside the graph,
     # so every index op gets the contiguous index tensor it is written for.
     slot_mapping = inputs.slot_mapping.contiguous()
-    group = decode_group(0, inputs.block_tables, inputs.context_lens.contiguous(), k_pool)
+    group = decode_group(0, inputs.block_tables, inputs.context_lens.contiguous())
     step = StepMetadata(slot_mapping, [group], [])
     input_ids, positions = inputs.input_ids.contiguous(), inputs.positions.contiguous()
     return forward(input_ids, positions, k_pool, v_pool, step, inputs.keep)

@@ -49,12 +49,27 @@ class DecodeGroup:
 
     query_start: int  # first query row in the packed batch
     query_end: int
-    pool_rows: torch.Tensor  # `pool_rows` of the block tables padded to the group's longest
-    bias: torch.Tensor  # [rows, 1, max_blocks * block_size] fp32: 0 for real keys, else -inf
-    # On the CPU, for its kernel (`cpu_attention.py`): the padded block tables and the keys
-    # each row attends to, int32.
-    tables: torch.Tensor | None = None
-    lengths: torch.Tensor | None = None
+    tables: torch.Tensor  # [rows, max_blocks]: block tables padded with block 0; int32 on the CPU
+    lengths: torch.Tensor  # [rows]: the keys each row attends to; int32 on the CPU
+    # The torch path's inputs (`torch_inputs`), made on its first use: the CPU's kernel reads
+    # the tables themselves, and a step there does not pay for these.
+    _pool_rows: torch.Tensor | None = None
+    _bias: torch.Tensor | None = None
+
+    def torch_inputs(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pool_rows` of the tables and the padding mask ([rows, 1, max_blocks * block_size]
+        fp32: 0 for real keys, else -inf) over one layer's pool [kv_heads, blocks,
+        block_size, head_dim]; built with tensor ops alone (no host reads), so a captured
+        decode graph (`decode_graphs.py`) replays them."""
+        if self._pool_rows is None or self._bias is None:
+            num_kv_heads, num_blocks, block_size, _ = pool.shape
+            positions = torch.arange(self.tables.shape[1] * block_size, device=pool.device)
+            is_padding = (positions[None, :] >= self.lengths[:, None])[:, None, :]
+            self._bias = torch.zeros(is_padding.shape, device=pool.device).masked_fill_(
+                is_padding, float("-inf")
+            )
+            self._pool_rows = pool_rows(self.tables.flatten(), num_kv_heads, num_blocks)
+        return self._pool_rows, self._bias
 
 
 @dataclass(slots=True)
@@ -108,7 +123,7 @@ def attend(q, key_pool, value_pool, step: StepMetadata, scaling=None) -> torch.T
     use_kernel = bool(step.decode_groups) and cpu_attention.supports(q, key_pool)
     for group in step.decode_groups:
         rows = slice(group.query_start, group.query_end)
-        if use_kernel and group.tables is not None and group.lengths is not None:
+        if use_kernel:
             scale = scaling if scaling is not None else q.shape[-1] ** -0.5
             out[rows] = cpu_attention.paged_decode(
                 q[:, rows].transpose(0, 1), key_pool, value_pool, group.tables, group.lengths, scale
@@ -141,22 +156,13 @@ def decode_group(
     query_start: int,
     tables: torch.Tensor,  # [rows, max_blocks]: block tables, padded
     lengths: torch.Tensor,  # [rows]: keys each row attends to
-    pool: torch.Tensor,  # [layers, kv_heads, blocks, block_size, head_dim]
 ) -> DecodeGroup:
-    """The group's pool rows and padding mask, built with tensor ops alone (no host reads):
-    the eager step and the captured decode graph (`decode_graphs.py`) share it."""
-    _, num_kv_heads, num_blocks, block_size, _ = pool.shape
-    positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
-    is_padding = (positions[None, :] >= lengths[:, None])[:, None, :]
-    bias = torch.zeros(is_padding.shape, device=tables.device).masked_fill_(
-        is_padding, float("-inf")
-    )
-    rows = pool_rows(tables.flatten(), num_kv_heads, num_blocks)
-    group = DecodeGroup(query_start, query_start + tables.shape[0], rows, bias)
+    """The group over these tables: on the CPU, int32 and contiguous, as its kernel reads
+    them (`cpu_attention.py`)."""
     if tables.device.type == "cpu":
-        group.tables = tables.to(torch.int32).contiguous()
-        group.lengths = lengths.to(torch.int32).contiguous()
-    return group
+        tables = tables.to(torch.int32).contiguous()
+        lengths = lengths.to(torch.int32).contiguous()
+    return DecodeGroup(query_start, query_start + tables.shape[0], tables, lengths)
 
 
 def _gather(pool: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -168,14 +174,15 @@ def _gather(pool: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tens
 
 def _decode(q, key_pool, value_pool, group: DecodeGroup, scaling) -> torch.Tensor:
     heads, rows, dim = q.shape
-    k = _gather(key_pool, group.pool_rows, rows)  # [kv_heads, rows, context, dim]
-    v = _gather(value_pool, group.pool_rows, rows)
+    pool_rows, bias = group.torch_inputs(key_pool)
+    k = _gather(key_pool, pool_rows, rows)  # [kv_heads, rows, context, dim]
+    v = _gather(value_pool, pool_rows, rows)
     kv_heads = k.shape[0]
     # Query head h reads kv head h // (heads / kv_heads), as HF's repeat_kv lays them out.
     q = q.view(kv_heads, heads // kv_heads, rows, dim).transpose(1, 2)  # [kv, rows, group, dim]
     scale = scaling if scaling is not None else dim**-0.5
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [kv, rows, group, ctx]
-    probs = torch.softmax(scores + group.bias, dim=-1).to(v.dtype)
+    probs = torch.softmax(scores + bias, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [kv, rows, group, dim]
     return out.permute(1, 0, 2, 3).reshape(rows, heads, dim)
 

@@ -7,6 +7,7 @@
 
 #define MAX_GROUP 16
 #define MAX_DIMV 16
+#define FEW_ITEMS 8 /* fewer (sequence, KV head) pairs than this: a work item per query */
 
 /* e^x for x <= 0 (a score less its row's largest): 2^n e^f, n = round(x log2 e),
  * |f| <= ln2 / 2, by the Taylor series to degree 6 (relative error about 1e-7). */
@@ -82,13 +83,13 @@ typedef struct {
     float scale;
 } Step;
 
-/* One sequence's queries of one KV head (`item`): their scores against its keys, the
- * softmax, and the weighted values. Inlined with DIMV and BF16 literal constants where the
+/* One sequence's queries g0 .. g1 - 1 of one KV head (`item`): their scores against its keys,
+ * the softmax, and the weighted values. Inlined with DIMV and BF16 literal constants where the
  * parallel loop below calls it: inside the loop, not around it, since OpenMP outlines a
  * parallel region before inlining and a constant passed around it reaches the region as a
  * runtime value (the vector loops then run on a count they test at every step). */
-static inline __attribute__((always_inline)) void attend_item(const Step *s, int item,
-                                                             float *scores, int max_len,
+static inline __attribute__((always_inline)) void attend_item(const Step *s, int item, int g0,
+                                                             int g1, float *scores, int max_len,
                                                              const int DIMV, const int BF16) {
     const int group = s->heads / s->kv_heads, dim = s->dim, bs = s->block_size;
     f16v q[MAX_GROUP][MAX_DIMV], acc[MAX_GROUP][MAX_DIMV];
@@ -96,11 +97,11 @@ static inline __attribute__((always_inline)) void attend_item(const Step *s, int
     const int len = s->lengths[row];
     const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
     const int64_t q_at = ((int64_t)row * s->heads + (int64_t)kvh * group) * dim;
-    for (int g = 0; g < group; g++)
+    for (int g = g0; g < g1; g++)
         for (int c = 0; c < DIMV; c++)
             q[g][c] = load_any(s->q, q_at + g * dim + c * 16, BF16) * s->scale;
     const int64_t head_at = (int64_t)kvh * s->num_blocks;
-    for (int g = 0; g < group; g++) { /* the scores, a query at a time (its vectors
+    for (int g = g0; g < g1; g++) { /* the scores, a query at a time (its vectors
         stay in registers; the keys, read again for each query, in L1), 16 keys at once */
         f16v qg[MAX_DIMV];
         for (int c = 0; c < DIMV; c++) qg[c] = q[g][c];
@@ -124,7 +125,7 @@ static inline __attribute__((always_inline)) void attend_item(const Step *s, int
         }
     }
     const int whole = len / 16 * 16;
-    for (int g = 0; g < group; g++) { /* their softmax */
+    for (int g = g0; g < g1; g++) { /* their softmax */
         float *sc = scores + g * max_len, top = -INFINITY, sum = 0.f;
         for (int p = 0; p < len; p++) top = sc[p] > top ? sc[p] : top;
         f16v sums = {0};
@@ -140,7 +141,7 @@ static inline __attribute__((always_inline)) void attend_item(const Step *s, int
         const float inv = 1.f / (hsum(sums) + sum);
         for (int p = 0; p < len; p++) sc[p] *= inv;
     }
-    for (int g = 0; g < group; g++) { /* the weighted values, a query at a time */
+    for (int g = g0; g < g1; g++) { /* the weighted values, a query at a time */
         const float *w = scores + g * max_len;
         f16v sum[MAX_DIMV];
         for (int c = 0; c < DIMV; c++) sum[c] = (f16v){0};
@@ -152,7 +153,7 @@ static inline __attribute__((always_inline)) void attend_item(const Step *s, int
         }
         for (int c = 0; c < DIMV; c++) acc[g][c] = sum[c];
     }
-    for (int g = 0; g < group; g++) {
+    for (int g = g0; g < g1; g++) {
         for (int c = 0; c < DIMV; c++) {
             const int64_t at = q_at + g * dim + c * 16;
             if (BF16) {
@@ -169,7 +170,12 @@ static int attend(const Step *s) {
     const int group = s->heads / s->kv_heads, bs = s->block_size;
     /* each query's scores, padded to whole vectors of 16 keys */
     const int max_len = ((s->max_blocks * bs > 0 ? s->max_blocks * bs : 1) + 15) / 16 * 16;
-    const int items = s->rows * s->kv_heads;
+    /* Work items: a sequence's KV head, all its queries; where there are too few of those to
+     * keep the threads busy (one sequence has as many as the model has KV heads, 3 for the
+     * default model, and 3 on 2 threads take 2 rounds), each query alone: it reads the
+     * head's keys again, from cache. */
+    const int parts = s->rows * s->kv_heads < FEW_ITEMS ? group : 1;
+    const int items = s->rows * s->kv_heads * parts;
     const int bf16 = s->is_bf16, vectors = s->dim / 16;
     int status = 0;
 #pragma omp parallel if (items > 1)
@@ -180,15 +186,17 @@ static int attend(const Step *s) {
             status = -1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; item++) {
+        for (int unit = 0; unit < items; unit++) {
             if (scores == NULL) continue;
+            const int item = unit / parts, part = unit % parts;
+            const int g0 = part * group / parts, g1 = (part + 1) * group / parts;
             /* the common head dimensions get their own copy, the vector count a constant */
-            if (vectors == 4 && bf16) attend_item(s, item, scores, max_len, 4, 1);
-            else if (vectors == 4) attend_item(s, item, scores, max_len, 4, 0);
-            else if (vectors == 8 && bf16) attend_item(s, item, scores, max_len, 8, 1);
-            else if (vectors == 8) attend_item(s, item, scores, max_len, 8, 0);
-            else if (bf16) attend_item(s, item, scores, max_len, vectors, 1);
-            else attend_item(s, item, scores, max_len, vectors, 0);
+            if (vectors == 4 && bf16) attend_item(s, item, g0, g1, scores, max_len, 4, 1);
+            else if (vectors == 4) attend_item(s, item, g0, g1, scores, max_len, 4, 0);
+            else if (vectors == 8 && bf16) attend_item(s, item, g0, g1, scores, max_len, 8, 1);
+            else if (vectors == 8) attend_item(s, item, g0, g1, scores, max_len, 8, 0);
+            else if (bf16) attend_item(s, item, g0, g1, scores, max_len, vectors, 1);
+            else attend_item(s, item, g0, g1, scores, max_len, vectors, 0);
         }
         free(scores);
     }
