@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from worker.runner import cpu_attention
 from worker.runner.cpu_kernels import load
 from worker.runner.paged_attention import DecodeGroup
-
-if TYPE_CHECKING:
-    from worker.runner.llama import LlamaForward
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
@@ -49,7 +46,7 @@ class _Model(ctypes.Structure):
 class DecodeLayers:
     """`run(hidden, x, ...)`: every layer of a decode step of at most `max_rows` sequences."""
 
-    def __init__(self, library: ctypes.CDLL, forward: LlamaForward, max_rows: int) -> None:
+    def __init__(self, library: ctypes.CDLL, forward: Any, max_rows: int) -> None:
         self._library = library
         self.max_rows = max_rows
         self._weights = (_LayerWeights * len(forward.layers))()
@@ -68,7 +65,8 @@ class DecodeLayers:
         self._scratch_per_row = width + self._hidden + 3 * self._inter
 
     @classmethod
-    def for_forward(cls, forward: LlamaForward) -> DecodeLayers | None:
+    def for_forward(cls, forward: Any) -> DecodeLayers | None:
+        """For a `llama.LlamaForward` (typed Any: llama.py imports this module)."""
         if os.environ.get("LLMFLEET_CPU_DECODE_LAYERS", "1") == "0" or forward.ops is None:
             return None
         if forward.embed.device.type != "cpu" or forward.embed.dtype != torch.bfloat16:
