@@ -80,12 +80,21 @@ async def cut_worker_connections(stack: Stack, client: LoadClient) -> None:
 
 async def _kill_role(stack: Stack, client: LoadClient, role: str) -> None:
     """kill -9 the worker of `role` while requests stream, stopped first so that what it
-    holds at the kill can be read (only those may end `worker_lost`); then another."""
+    holds at the kill can be read (only those may end `worker_lost`); then another. Stopped
+    while it holds none (a decode worker between hand-offs: streams begin on the prefill
+    worker), it is let go on and stopped again a moment later."""
     await _when_streaming(client, 8)
     worker = stack.live_worker(role)
-    worker.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + FAULT_WAIT_TIMEOUT_S
     with stack.redis() as r:
-        stack.held_by_killed = await asyncio.to_thread(stack.requests_owned_by, r, worker.pid)
+        while True:
+            worker.send_signal(signal.SIGSTOP)
+            held = await asyncio.to_thread(stack.requests_owned_by, r, worker.pid)
+            if held or time.monotonic() > deadline:
+                break
+            worker.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.005)
+    stack.held_by_killed = held
     worker.kill()
     await asyncio.to_thread(stack.start_worker, role)
 
