@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from shared.protocol import QueuedRequest, SamplingParams
+from worker.engine import ContinuousBatchingEngine
+from worker.fair_queue import FairQueue
+from worker.kv_cache import KVCacheManager
+from worker.preemption import TenantAwarePreemption
+from worker.scheduler import Scheduler, SchedulerConfig
 from worker.sequence import Sequence
 
 
@@ -50,3 +55,27 @@ def make_sequence(
 
 def make_sequence_for(request: QueuedRequest, decoder) -> Sequence:
     return Sequence.from_request(request, decoder, frozenset())
+
+
+def serve_together(runner, prompts: list[list[int]], num_blocks: int, max_tokens: int = 12):
+    """Each prompt a request of its own tenant, all added at once to a continuous engine over
+    `runner` (its pool: `num_blocks` blocks of 4) with a 16-token budget, so prompts are
+    chunked and, with few blocks, preempted; served to the end. (Their output tokens, the
+    number of preemptions.)"""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+        KVCacheManager(num_blocks, 4),
+        FairQueue(quantum_tokens=8),
+        TenantAwarePreemption(),
+    )
+    engine = ContinuousBatchingEngine(scheduler, runner)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        seq = make_sequence_for(
+            make_request(i, prompt, max_tokens, tenant_id=f"t{i}"), CharDecoder()
+        )
+        assert engine.add(seq) is None
+        seqs.append(seq)
+    while engine.has_work():
+        engine.step()
+    return [seq.output_token_ids for seq in seqs], scheduler.num_preemptions

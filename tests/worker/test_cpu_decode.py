@@ -11,15 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from tests import tiny_model
-from tests.factories import CharDecoder, make_request, make_sequence_for
-from worker.engine import ContinuousBatchingEngine
-from worker.fair_queue import FairQueue
-from worker.kv_cache import KVCacheManager
-from worker.preemption import TenantAwarePreemption
+from tests.factories import serve_together
 from worker.runner import cpu_kernels, llama
 from worker.runner.cpu_decode import DecodeLayers
 from worker.runner.model_runner import ModelRunner
-from worker.scheduler import Scheduler, SchedulerConfig
 
 _library = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
@@ -57,13 +52,8 @@ def test_more_rows_and_other_weights_take_torchs_matmul():
 
 
 def _serve(loaded, prompts: list[list[int]], decode_layers: bool, num_blocks: int):
-    """Each decode step's logits and every request's tokens, served together."""
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
-        KVCacheManager(num_blocks, 4),
-        FairQueue(quantum_tokens=8),
-        TenantAwarePreemption(),
-    )
+    """Each decode step's logits, every request's tokens and the preemptions, served
+    together."""
     runner = ModelRunner(loaded, num_blocks, 4, "own")
     forward = runner._forward  # the model's one forward, shared by its runners
     assert forward is not None and forward.decode_layers is not None
@@ -80,15 +70,8 @@ def _serve(loaded, prompts: list[list[int]], decode_layers: bool, num_blocks: in
         return logits
 
     runner._forward = recording  # the runner calls it as a function
-    engine = ContinuousBatchingEngine(scheduler, runner)
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        seq = make_sequence_for(make_request(i, prompt, 12, tenant_id=f"t{i}"), CharDecoder())
-        assert engine.add(seq) is None
-        seqs.append(seq)
-    while engine.has_work():
-        engine.step()
-    return decode_logits, [seq.output_token_ids for seq in seqs], scheduler.num_preemptions
+    tokens, num_preemptions = serve_together(runner, prompts, num_blocks)
+    return decode_logits, tokens, num_preemptions
 
 
 def test_the_decode_layers_are_the_fused_forward_bit_for_bit():

@@ -3,20 +3,17 @@ in for, and the forward built on them against the torch forward."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests import tiny_model
-from tests.factories import CharDecoder, make_request, make_sequence_for
-from worker.engine import ContinuousBatchingEngine
-from worker.fair_queue import FairQueue
-from worker.kv_cache import KVCacheManager
-from worker.preemption import TenantAwarePreemption
+from tests.factories import serve_together
 from worker.runner import cpu_kernels, llama
 from worker.runner.cpu_layer_ops import LayerOps
 from worker.runner.model_runner import ModelRunner
-from worker.scheduler import Scheduler, SchedulerConfig
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None, reason="no C compiler here: the kernels cannot be built"
@@ -118,25 +115,13 @@ def test_the_fused_forward_serves_the_torch_forwards_tokens(dtype):
     prompts = [list(range(1000, 1030)), [7, 7, 7, 7, 7, 7], list(range(2000, 2045, 3)), [42]]
 
     def serve(fused: bool) -> list[list[int]]:
-        scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
-            KVCacheManager(14, 4),
-            FairQueue(quantum_tokens=8),
-            TenantAwarePreemption(),
-        )
         runner = ModelRunner(loaded, 14, 4, "own")
         assert runner._forward is not None and (runner._forward.ops is not None)
-        if not fused:
+        if not fused:  # a copy: the model's one forward is shared by its runners
+            runner._forward = copy.copy(runner._forward)
             runner._forward.ops = None
-        engine = ContinuousBatchingEngine(scheduler, runner)
-        seqs = []
-        for i, prompt in enumerate(prompts):
-            seq = make_sequence_for(make_request(i, prompt, 12, tenant_id=f"t{i}"), CharDecoder())
-            assert engine.add(seq) is None
-            seqs.append(seq)
-        while engine.has_work():
-            engine.step()
-        assert scheduler.num_preemptions > 0
-        return [seq.output_token_ids for seq in seqs]
+        tokens, num_preemptions = serve_together(runner, prompts, 14)
+        assert num_preemptions > 0
+        return tokens
 
     assert serve(fused=True) == serve(fused=False)

@@ -40,7 +40,7 @@ static inline f16v exp_v(f16v x) {
     x = select_v(x < -87.f, zero - 87.f, x);
     x = select_v(x > 88.f, zero + 88.f, x);
     const f16v t = x * 1.4426950409f;
-    const f16v n = (t + 12582912.f) - 12582912.f; /* round to nearest, |t| < 2^22 */
+    const f16v n = round_v(t);
     const f16v f = (t - n) * 0.6931471806f;
     f16v p = zero + 1.f / 5040;
     p = p * f + 1.f / 720;
@@ -50,10 +50,7 @@ static inline f16v exp_v(f16v x) {
     p = p * f + 0.5f;
     p = p * f + 1.f;
     p = p * f + 1.f;
-    const u32v scale_bits = (u32v)(__builtin_convertvector(n, i32v) + 127) << 23;
-    f16v scale;
-    memcpy(&scale, &scale_bits, sizeof scale);
-    return p * scale;
+    return times_pow2(p, n);
 }
 
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): HF's LlamaRMSNorm (normalised in fp32,

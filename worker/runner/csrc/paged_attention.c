@@ -29,13 +29,12 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* e^x of 16 lanes, each as exp_nonpositive computes it (the same operations, so the same
- * bits): the round to an integer by the 1.5 * 2^23 trick, which rounds half to even as rintf
- * does for |t| < 2^22. */
+ * bits). */
 static inline f16v exp_nonpositive_v(f16v x) {
-    const f16v lowest = (f16v){0} - 87.f, magic = (f16v){0} + 12582912.f;
+    const f16v lowest = (f16v){0} - 87.f;
     x = select_v(x < lowest, lowest, x);
     const f16v t = x * 1.4426950409f;
-    const f16v n = (t + magic) - magic;
+    const f16v n = round_v(t);
     const f16v f = (t - n) * 0.6931471806f;
     f16v p = (f16v){0} + 1.f / 720;
     p = p * f + 1.f / 120;
@@ -44,10 +43,7 @@ static inline f16v exp_nonpositive_v(f16v x) {
     p = p * f + 0.5f;
     p = p * f + 1.f;
     p = p * f + 1.f;
-    const i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
-    f16v scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return times_pow2(p, n);
 }
 
 /* The horizontal sums of 16 vectors, as one vector (lane j: hsum(v[j]), its lanes added in

@@ -54,6 +54,18 @@ static inline f16v select_v(i32v mask, f16v yes, f16v no) {
     return yes;
 }
 
+/* The e^x kernels' shared steps: t rounded to the nearest whole number, half to even as rintf
+ * does (the 1.5 * 2^23 trick, for |t| < 2^22), and p * 2^n for whole n in [-126, 127] (the
+ * exponent's bits built directly). */
+static inline f16v round_v(f16v t) { return (t + 12582912.f) - 12582912.f; }
+
+static inline f16v times_pow2(f16v p, f16v n) {
+    const i32v bits = (__builtin_convertvector(n, i32v) + 127) << 23;
+    f16v scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
     union { uint32_t u; float f; } x;
     x.f = f;
