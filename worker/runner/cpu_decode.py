@@ -58,11 +58,14 @@ class DecodeLayers:
             entry.post_norm = layer.post_norm.data_ptr()
             entry.gate_up = layer.gate_up.weight.data_ptr()
             entry.down = layer.down.weight.data_ptr()
-        self._forward = forward
-        self._hidden = forward.embed.shape[1]
-        self._inter = forward.layers[0].down.weight.shape[1]
+        hidden, inter = forward.embed.shape[1], forward.layers[0].down.weight.shape[1]
+        # num_blocks and block_size are each step's pool's, set by `run`
+        self._model = _Model(
+            self._weights, len(forward.layers), hidden, inter, forward.num_heads,
+            forward.num_kv_heads, forward.head_dim, 0, 0, forward.eps, forward.scaling,
+        )  # fmt: skip
         width = (3 * forward.num_heads + 2 * forward.num_kv_heads) * forward.head_dim
-        self._scratch_per_row = width + self._hidden + 3 * self._inter
+        self._scratch_per_row = width + hidden + 3 * inter
 
     @classmethod
     def for_forward(cls, forward: Any) -> DecodeLayers | None:
@@ -99,13 +102,8 @@ class DecodeLayers:
         v_pool: torch.Tensor,
         groups: list[DecodeGroup],  # each with its int32 tables and lengths (the CPU's)
     ) -> None:
-        forward, rows = self._forward, hidden.shape[0]
-        _, _, num_blocks, block_size, _ = k_pool.shape
-        model = _Model(
-            self._weights, len(forward.layers), self._hidden, self._inter, forward.num_heads,
-            forward.num_kv_heads, forward.head_dim, num_blocks, block_size, forward.eps,
-            forward.scaling,
-        )  # fmt: skip
+        rows, model = hidden.shape[0], self._model
+        _, _, model.num_blocks, model.block_size, _ = k_pool.shape
         entries = (_Group * len(groups))()
         for entry, group in zip(entries, groups, strict=True):
             entry.tables, entry.lengths = group.tables.data_ptr(), group.lengths.data_ptr()

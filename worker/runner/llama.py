@@ -206,34 +206,28 @@ class LlamaForward:
         slot_mapping = step.slot_mapping.to(torch.int64).contiguous()
         num_q = self.num_heads * self.head_dim
         x = ops.rms_norm(hidden, self.layers[0].input_norm, self.eps)
-        if self._takes_decode_layers(hidden, step):
-            assert self.decode_layers is not None
-            self.decode_layers.run(
-                hidden, x, cos, sin, slot_mapping, k_pool, v_pool, step.decode_groups
-            )
-            return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
-        for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
-            ops.rope_write(
-                qkv, cos, sin, self.num_heads, k_pool[index], v_pool[index], slot_mapping
-            )
-            q = qkv[:, :num_q].view(-1, self.num_heads, self.head_dim)
-            out = attend(q.transpose(0, 1), k_pool[index], v_pool[index], step, self.scaling)
-            x = ops.add_rms_norm(hidden, layer.o(out.flatten(1)), layer.post_norm, self.eps)
-            delta = layer.down(ops.silu_mul(layer.gate_up(x)))
-            if index + 1 < len(self.layers):
-                x = ops.add_rms_norm(hidden, delta, self.layers[index + 1].input_norm, self.eps)
-            else:
-                hidden += delta
-        return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
-
-    def _takes_decode_layers(self, hidden: torch.Tensor, step: StepMetadata) -> bool:
-        """A decode-only step of few enough sequences."""
-        return (
-            self.decode_layers is not None
-            and hidden.shape[0] <= self.decode_layers.max_rows
+        decode_layers = self.decode_layers
+        if (
+            decode_layers is not None
             and not step.prefills
-        )
+            and len(hidden) <= decode_layers.max_rows
+        ):
+            decode_layers.run(hidden, x, cos, sin, slot_mapping, k_pool, v_pool, step.decode_groups)
+        else:
+            for index, layer in enumerate(self.layers):
+                qkv = layer.qkv(x)
+                ops.rope_write(
+                    qkv, cos, sin, self.num_heads, k_pool[index], v_pool[index], slot_mapping
+                )
+                q = qkv[:, :num_q].view(-1, self.num_heads, self.head_dim)
+                out = attend(q.transpose(0, 1), k_pool[index], v_pool[index], step, self.scaling)
+                x = ops.add_rms_norm(hidden, layer.o(out.flatten(1)), layer.post_norm, self.eps)
+                delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+                if index + 1 < len(self.layers):
+                    x = ops.add_rms_norm(hidden, delta, self.layers[index + 1].input_norm, self.eps)
+                else:
+                    hidden += delta
+        return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
 
 
 def _fuse(layer: Any) -> _Layer:
