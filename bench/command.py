@@ -557,12 +557,13 @@ def _roofline(
     cuda_graphs: bool = True,
 ) -> None:
     from bench import report, roofline
-    from shared import model_source
+    from shared import heap, model_source
     from worker.runner import loader
 
     resolved = model_source.resolve(source)
     loaded = loader.load(resolved, "auto", dtype)
     decoder = model_source.load_tokenizer(resolved)
+    heap.freeze_long_lived()  # as a worker does once its model is loaded (`shared/heap.py`)
     bandwidth = roofline.measure_bandwidth(loaded.device)
     typer.echo(
         f"measured bandwidth: {bandwidth / 1e9:.1f} GB/s on {loaded.device}; "

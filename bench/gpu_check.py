@@ -37,7 +37,7 @@ import torch
 from bench import metrics, scenario_driver, scenarios
 from bench.engine_direct import run_engine, sequence_of
 from bench.workload import RequestSpec, TenantSpec, make_workload
-from shared import model_source
+from shared import heap, model_source
 from worker.config import DEFAULT_ENGINE, EngineConfig
 from worker.engine import ContinuousBatchingEngine, build_scheduler
 from worker.runner import loader
@@ -377,6 +377,7 @@ def roofline_section(args, section: Section, device: torch.device, plan: Plan) -
     from bench import roofline
 
     loaded, decoder = load_default(args, device)
+    heap.freeze_long_lived()  # as a worker does once its model is loaded (`shared/heap.py`)
     bandwidth = roofline.measure_bandwidth(loaded.device)
     method = "device copy" if device.type == "cuda" else "CPU tensor sum (no CUDA)"
     section.put("bandwidth", {"bytes_per_s": bandwidth, "method": method})

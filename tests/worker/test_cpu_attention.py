@@ -32,7 +32,17 @@ def _case(dtype, *, heads, kv_heads, head_dim, block_size, lengths, num_blocks=6
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 48, 5)],
+    [
+        (9, 3, 64, 16),
+        (4, 4, 128, 16),
+        (8, 2, 32, 8),
+        (6, 1, 48, 5),
+        # blocks of odd size (a pair of keys across two blocks), 16 queries a KV head, the
+        # largest head
+        (6, 2, 64, 5),
+        (16, 1, 64, 16),
+        (2, 1, 256, 16),
+    ],
 )
 def test_the_kernel_attends_as_the_torch_path_does(dtype, heads, kv_heads, head_dim, block_size):
     # Rows of one key, a partial last block, whole blocks, and one much longer than the rest.
@@ -47,9 +57,10 @@ def test_the_kernel_attends_as_the_torch_path_does(dtype, heads, kv_heads, head_
         q.transpose(0, 1), k_pool[0], v_pool[0], group.tables, group.lengths, head_dim**-0.5
     )
     assert got.shape == expected.shape and got.dtype == dtype
-    # fp32: the same sums in another order; bf16: the torch path rounds its scores and
-    # weights to bf16 where the kernel keeps fp32, so they differ by a rounding step or two
-    # of the outputs (which are at most a few units).
+    # fp32: the same sums in another order; bf16: the torch path rounds its scores to bf16
+    # where the kernel keeps fp32 (and its weights, as the kernel does on CPUs with
+    # AVX512-BF16), so they differ by a rounding step or two of the outputs (which are at
+    # most a few units).
     tolerance = 1e-5 if dtype == torch.float32 else 2**-5
     assert (got.float() - expected.float()).abs().max().item() <= tolerance
 

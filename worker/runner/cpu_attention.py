@@ -23,8 +23,12 @@ their work shared out with OpenMP over torch's own threads.
 Where no compiler is found, the build fails, `LLMFLEET_CPU_ATTENTION_KERNEL=0` is set, or
 the shapes are not the kernels' (a head dimension not a multiple of 16, or 32 for prompts,
 or over 256), the torch paths run. Decode: the two agree within a rounding step of the
-model's dtype (the kernel keeps scores, weights and sums in fp32 where the torch path rounds
-scores and weights to bf16). Prompts: both round the weights to bf16 before the values.
+model's dtype. On CPUs with AVX512-BF16 a bf16 pool's decodes take the dot-product
+instruction (exact bf16 products, fp32 sums: nothing widened first; half the time of the
+widening kernel at 4-64 sequences, docs/benchmarks.md, session 23): scores and sums in fp32,
+the softmax weights rounded to bf16 before the values, as the torch path and the prompt
+kernel do. Elsewhere the decode kernel keeps the weights in fp32 too. Prompts: both round
+the weights to bf16 before the values.
 """
 
 from __future__ import annotations

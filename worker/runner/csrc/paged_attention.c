@@ -162,6 +162,127 @@ static inline __attribute__((always_inline)) void attend_item(const Step *s, int
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define DOT_DECODE 1
+/* The same item for bf16 pools on CPUs with AVX512-BF16 dot products, which multiply bf16
+ * pairs exactly and sum in fp32, so nothing is widened first. Scores: q against each key, 32
+ * dimensions an instruction, the scale after the sum. Values: the softmax weights rounded to
+ * bf16 (as torch's SDPA and the prompt kernel do), two keys at a time, their value rows
+ * interleaved into (key 0, key 1) pairs of each dimension; the interleave puts a 128-bit
+ * lane's dimensions 0-3 in its low half and 4-7 in its high half, and the sums are put back
+ * in order once at the end. Up to QB queries of the group share each interleaved pair. Keys
+ * are read a block at a time: a block's rows are contiguous in the pool. */
+static inline __m512 dot_row(const uint16_t *k, const __m512bh *q, const int W) {
+    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), q[0]);
+    for (int c = 1; c < W; c++)
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(k + c * 32), q[c]);
+    return dot;
+}
+
+static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const int32_t *table,
+                                      int64_t head_at, int pos, int dim) {
+    const int bs = s->block_size;
+    return pool + ((head_at + table[pos / bs]) * bs + pos % bs) * dim;
+}
+
+static inline __attribute__((always_inline)) void attend_item_dot(const Step *s, int item,
+                                                                 int g0, int g1, float *scores,
+                                                                 uint16_t *weights, int max_len,
+                                                                 const int DIMV) {
+    enum { QB_MAX = 4 };
+    const int W = DIMV / 2, QB = DIMV <= 4 ? 4 : DIMV <= 8 ? 2 : 1; /* 32-dim vectors */
+    const int group = s->heads / s->kv_heads, dim = DIMV * 16, bs = s->block_size;
+    const int row = item / s->kv_heads, kvh = item % s->kv_heads;
+    const int len = s->lengths[row], whole = len / 16 * 16;
+    const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
+    const uint16_t *q = (const uint16_t *)s->q + ((int64_t)row * s->heads + (int64_t)kvh * group) * dim;
+    const uint16_t *k_pool = s->k_pool, *v_pool = s->v_pool;
+    const int64_t head_at = (int64_t)kvh * s->num_blocks;
+    const f16v scale = (f16v){0} + s->scale;
+    for (int g = g0; g < g1; g++) { /* scores, 16 keys at once */
+        __m512bh qg[MAX_DIMV / 2];
+        for (int c = 0; c < W; c++) qg[c] = (__m512bh)_mm512_loadu_si512(q + g * dim + c * 32);
+        for (int p0 = 0; p0 < len; p0 += 16) {
+            f16v dots[16];
+            if (p0 < whole && bs % 16 == 0) { /* 16 rows of one block */
+                const uint16_t *k = pool_at(s, k_pool, table, head_at, p0, dim);
+                for (int j = 0; j < 16; j++) dots[j] = (f16v)dot_row(k + j * dim, qg, W);
+            } else {
+                for (int j = 0; j < 16; j++)
+                    dots[j] = p0 + j < len
+                                  ? (f16v)dot_row(pool_at(s, k_pool, table, head_at, p0 + j, dim), qg, W)
+                                  : (f16v){0};
+            }
+            const f16v sums = hsum16(dots) * scale;
+            memcpy(scores + g * max_len + p0, &sums, sizeof sums);
+        }
+    }
+    for (int g = g0; g < g1; g++) { /* softmax, the weights rounded to bf16 */
+        float *sc = scores + g * max_len, sum = 0.f;
+        uint16_t *w = weights + g * max_len;
+        __m512 top16 = _mm512_set1_ps(-INFINITY);
+        for (int p = 0; p < whole; p += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(sc + p));
+        float top = _mm512_reduce_max_ps(top16);
+        for (int p = whole; p < len; p++) top = sc[p] > top ? sc[p] : top;
+        f16v sums = {0};
+        for (int p = 0; p < whole; p += 16) {
+            const f16v e = exp_nonpositive_v(load_f32(sc + p) - top);
+            memcpy(sc + p, &e, sizeof e);
+            sums += e;
+        }
+        for (int p = whole; p < len; p++) {
+            sc[p] = exp_nonpositive(sc[p] - top);
+            sum += sc[p];
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / (hsum(sums) + sum));
+        for (int p = 0; p < len; p += 16) /* past len: never read as a weight */
+            _mm256_storeu_si256((__m256i *)(w + p),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sc + p), inv)));
+        w[len] = 0; /* an odd count's last pair: the key past the end weighs nothing */
+    }
+    const __m512i lo_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int gb = g0; gb < g1; gb += QB) { /* values: QB queries a pass */
+        const int nq = g1 - gb < QB ? g1 - gb : QB;
+        __m512 lo[QB_MAX][MAX_DIMV / 2], hi[QB_MAX][MAX_DIMV / 2];
+        for (int i = 0; i < QB; i++)
+            for (int c = 0; c < W; c++) lo[i][c] = hi[i][c] = _mm512_setzero_ps();
+        const uint32_t *w[QB_MAX];
+        for (int i = 0; i < QB; i++)
+            w[i] = (const uint32_t *)(weights + (int64_t)(gb + (i < nq ? i : 0)) * max_len);
+        for (int p = 0; p < len; p += 2) {
+            const uint16_t *v0 = pool_at(s, v_pool, table, head_at, p, dim), *v1 = 0;
+            if (p + 1 < len) /* the next row of the block where blocks are of even size */
+                v1 = bs % 2 == 0 ? v0 + dim : pool_at(s, v_pool, table, head_at, p + 1, dim);
+            for (int c = 0; c < W; c++) {
+                const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+                const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
+                const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                const __m512bh ph = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int i = 0; i < QB; i++) {
+                    const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[i][p / 2]);
+                    lo[i][c] = _mm512_dpbf16_ps(lo[i][c], pl, wp);
+                    hi[i][c] = _mm512_dpbf16_ps(hi[i][c], ph, wp);
+                }
+            }
+        }
+        for (int i = 0; i < nq; i++) {
+            uint16_t *out = (uint16_t *)s->out +
+                            ((int64_t)row * s->heads + (int64_t)kvh * group + gb + i) * dim;
+            for (int c = 0; c < W; c++) {
+                const __m512 first = _mm512_permutex2var_ps(lo[i][c], lo_order, hi[i][c]);
+                const __m512 second = _mm512_permutex2var_ps(lo[i][c], hi_order, hi[i][c]);
+                _mm256_storeu_si256((__m256i *)(out + c * 32), (__m256i)_mm512_cvtneps_pbh(first));
+                _mm256_storeu_si256((__m256i *)(out + c * 32 + 16),
+                                    (__m256i)_mm512_cvtneps_pbh(second));
+            }
+        }
+    }
+}
+#else
+#define DOT_DECODE 0
+#endif
+
 static int attend(const Step *s) {
     const int group = s->heads / s->kv_heads, bs = s->block_size;
     /* each query's scores, padded to whole vectors of 16 keys */
@@ -173,20 +294,28 @@ static int attend(const Step *s) {
     const int parts = s->rows * s->kv_heads < FEW_ITEMS ? group : 1;
     const int items = s->rows * s->kv_heads * parts;
     const int bf16 = s->is_bf16, vectors = s->dim / 16;
+    const int dot = DOT_DECODE && bf16 && s->dim % 32 == 0; /* attend_item_dot */
     int status = 0;
 #pragma omp parallel if (items > 1)
     {
         float *scores = malloc(sizeof(float) * group * max_len);
-        if (scores == NULL) {
+        uint16_t *weights = dot ? malloc(sizeof(uint16_t) * (group * max_len + 1)) : NULL;
+        if (scores == NULL || (dot && weights == NULL)) {
 #pragma omp atomic write
             status = -1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int unit = 0; unit < items; unit++) {
-            if (scores == NULL) continue;
+            if (scores == NULL || (dot && weights == NULL)) continue;
             const int item = unit / parts, part = unit % parts;
             const int g0 = part * group / parts, g1 = (part + 1) * group / parts;
             /* the common head dimensions get their own copy, the vector count a constant */
+#if DOT_DECODE
+            if (dot && vectors == 4) attend_item_dot(s, item, g0, g1, scores, weights, max_len, 4);
+            else if (dot && vectors == 8) attend_item_dot(s, item, g0, g1, scores, weights, max_len, 8);
+            else if (dot) attend_item_dot(s, item, g0, g1, scores, weights, max_len, vectors);
+            else
+#endif
             if (vectors == 4 && bf16) attend_item(s, item, g0, g1, scores, max_len, 4, 1);
             else if (vectors == 4) attend_item(s, item, g0, g1, scores, max_len, 4, 0);
             else if (vectors == 8 && bf16) attend_item(s, item, g0, g1, scores, max_len, 8, 1);
@@ -194,7 +323,7 @@ static int attend(const Step *s) {
             else if (bf16) attend_item(s, item, g0, g1, scores, max_len, vectors, 1);
             else attend_item(s, item, g0, g1, scores, max_len, vectors, 0);
         }
-        free(scores);
+        free(scores), free(weights);
     }
     return status;
 }
