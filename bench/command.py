@@ -568,17 +568,21 @@ def _roofline(
     typer.echo(
         f"measured bandwidth: {bandwidth / 1e9:.1f} GB/s on {loaded.device}; "
         f"dtype {loaded.model.dtype}"
-    )
-    typer.echo("batch  context  step ms  weights MB  KV MB  roofline ms  of roofline  tok/s")
+        + ("; on the CPU each batch probes it again between its steps (GB/s column)"
+           if loaded.device.type == "cpu" else "")
+    )  # fmt: skip
+    typer.echo("batch  context  step ms  weights MB  KV MB  GB/s  roofline ms  of roofline  tok/s")
     points = []
     for batch_size in batch_sizes:
         point = roofline.measure_decode(
-            loaded, decoder, batch_size, context, bandwidth, forward, cuda_graphs=cuda_graphs
-        )
+            loaded, decoder, batch_size, context,
+            None if loaded.device.type == "cpu" else bandwidth, forward, cuda_graphs=cuda_graphs,
+        )  # fmt: skip
         points.append(point.as_dict())
         typer.echo(
             f"{batch_size:5d}  {context:7d}  {point.step_s * 1e3:7.1f}  "
             f"{point.weight_bytes / 1e6:10.0f}  {point.kv_bytes / 1e6:5.0f}  "
+            f"{point.bandwidth_bytes_per_s / 1e9:4.0f}  "
             f"{point.roofline_s * 1e3:11.1f}  {point.fraction_of_roofline:11.0%}  "
             f"{batch_size / point.step_s:5.0f}"
         )

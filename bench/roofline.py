@@ -85,11 +85,18 @@ def measure_decode(
     decoder,
     batch_size: int,
     context_tokens: int,
-    bandwidth: float,
+    bandwidth: float | None,
     forward: str = "auto",
     num_steps: int = 30,
     cuda_graphs: bool = True,
+    probe_rounds: int = 3,
 ) -> RooflinePoint:
+    """Steady decode steps at `batch_size` against the roofline at `bandwidth`. With
+    `bandwidth` None (the CPU), the bandwidth is probed between the timed steps instead, in
+    `probe_rounds` rounds of two passes, each before a run of the steps, and its best pass
+    taken: a shared host's bandwidth moves from minute to minute (the probe read 47-81 GB/s
+    in one session here), and a probe read once, seconds away from the steps, set them
+    against another host's roofline."""
     config = EngineConfig(
         max_num_seqs=batch_size,
         max_num_batched_tokens=batch_size * context_tokens,
@@ -102,14 +109,22 @@ def measure_decode(
     engine.step()  # the prefill of every sequence, in one step
     for _ in range(5):
         engine.step()  # warm-up decodes (a fresh engine's first steps pay first-use costs)
-    start = time.perf_counter()
-    for _ in range(num_steps):
-        engine.step()
-    step_s = (time.perf_counter() - start) / num_steps
+    rounds = 1 if bandwidth is not None else probe_rounds
+    elapsed_s, probed = 0.0, 0.0
+    for index in range(rounds):
+        if bandwidth is None:
+            probed = max(probed, measure_bandwidth(num_repeats=2))
+        start = time.perf_counter()
+        for _ in range(num_steps * (index + 1) // rounds - num_steps * index // rounds):
+            engine.step()
+        elapsed_s += time.perf_counter() - start
+    step_s = elapsed_s / num_steps
     mean_context = context_tokens + 6 + num_steps / 2
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     kv_bytes = int(batch_size * mean_context * kv_bytes_per_token(loaded))
-    return RooflinePoint(batch_size, context_tokens, step_s, weight_bytes, kv_bytes, bandwidth)
+    return RooflinePoint(
+        batch_size, context_tokens, step_s, weight_bytes, kv_bytes, bandwidth or probed
+    )
 
 
 def _sequence(i: int, num_tokens: int, decoder) -> Sequence:
