@@ -185,6 +185,16 @@ static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const
     return pool + ((head_at + table[pos / bs]) * bs + pos % bs) * dim;
 }
 
+/* A pool's blocks lie anywhere in it, and the hardware's prefetcher, which follows a stream
+ * within a page, starts cold on each: at 32 sequences the keys and values (as many bytes
+ * as the weights) were read at ~21 GB/s, a step's attention a third of the step. The first
+ * pass over an item's keys asks for the keys two 16-row runs ahead and for the values one
+ * run ahead (read after the softmax): 5-15% off the attention from memory, at 2-64
+ * sequences (docs/benchmarks.md, session 23; further ahead, or everything at once, gained
+ * less). A macro: the hint must be a constant where `_mm_prefetch` sees it. */
+#define prefetch_16_rows(rows, dim, hint)                                                      \
+    for (int at = 0; at < 16 * (dim) * 2; at += 64) _mm_prefetch((const char *)(rows) + at, hint)
+
 static inline __attribute__((always_inline)) void attend_item_dot(const Step *s, int item,
                                                                  int g0, int g1, float *scores,
                                                                  uint16_t *weights, int max_len,
@@ -206,6 +216,10 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
             f16v dots[16];
             if (p0 < whole && bs % 16 == 0) { /* 16 rows of one block */
                 const uint16_t *k = pool_at(s, k_pool, table, head_at, p0, dim);
+                if (g == g0 && p0 + 32 < len) { /* the pass that reads from memory */
+                    prefetch_16_rows(pool_at(s, k_pool, table, head_at, p0 + 32, dim), dim, _MM_HINT_T0);
+                    prefetch_16_rows(pool_at(s, v_pool, table, head_at, p0 + 16, dim), dim, _MM_HINT_T1);
+                }
                 for (int j = 0; j < 16; j++) dots[j] = (f16v)dot_row(k + j * dim, qg, W);
             } else {
                 for (int j = 0; j < 16; j++)
