@@ -54,6 +54,15 @@ static inline f16v select_v(i32v mask, f16v yes, f16v no) {
     return yes;
 }
 
+/* Lane by lane, the larger of a and b. */
+static inline f16v max_v(f16v a, f16v b) {
+#ifdef __AVX512F__
+    return (f16v)_mm512_max_ps((__m512)a, (__m512)b);
+#else
+    return select_v(a > b, a, b);
+#endif
+}
+
 /* The e^x kernels' shared steps: t rounded to the nearest whole number, half to even as rintf
  * does (the 1.5 * 2^23 trick, for |t| < 2^22), and p * 2^n for whole n in [-126, 127] (the
  * exponent's bits built directly). */
