@@ -69,6 +69,12 @@ def serve_together(runner, prompts: list[list[int]], num_blocks: int, max_tokens
         TenantAwarePreemption(),
     )
     engine = ContinuousBatchingEngine(scheduler, runner)
+    return serve(engine, prompts, max_tokens), scheduler.num_preemptions
+
+
+def serve(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt a request of its own tenant, all added at once to `engine`, served to the
+    end: their output tokens."""
     seqs = []
     for i, prompt in enumerate(prompts):
         seq = make_sequence_for(
@@ -78,4 +84,4 @@ def serve_together(runner, prompts: list[list[int]], num_blocks: int, max_tokens
         seqs.append(seq)
     while engine.has_work():
         engine.step()
-    return [seq.output_token_ids for seq in seqs], scheduler.num_preemptions
+    return [seq.output_token_ids for seq in seqs]

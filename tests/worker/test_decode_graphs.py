@@ -13,7 +13,7 @@ import torch
 
 from shared.protocol import SamplingParams
 from tests import tiny_model
-from tests.factories import CharDecoder, make_request, make_sequence_for
+from tests.factories import serve
 from tests.reference import greedy_alone
 from worker.engine import ContinuousBatchingEngine
 from worker.fair_queue import FairQueue
@@ -73,19 +73,6 @@ def _engine(loaded, graphs: str, num_blocks: int = 14):
 PROMPTS = [list(range(1000, 1030)), [7, 7, 7, 7, 7, 7], list(range(2000, 2045, 3)), [42], [5, 6]]
 
 
-def _serve_together(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        seq = make_sequence_for(
-            make_request(i, prompt, max_tokens, tenant_id=f"t{i}"), CharDecoder()
-        )
-        assert engine.add(seq) is None
-        seqs.append(seq)
-    while engine.has_work():
-        engine.step()
-    return [seq.output_token_ids for seq in seqs]
-
-
 def test_greedy_through_the_padded_path_equals_eager_and_generate(loaded, monkeypatch):
     steps = []  # (decodes, blocks each decode's context takes, bucket) of each replay
     run = DecodeGraphs.run
@@ -97,8 +84,8 @@ def test_greedy_through_the_padded_path_equals_eager_and_generate(loaded, monkey
 
     monkeypatch.setattr(DecodeGraphs, "run", recording_run)
     engine, runner = _engine(loaded, "on")
-    outputs = _serve_together(engine, PROMPTS, 12)
-    eager_outputs = _serve_together(_engine(loaded, "off")[0], PROMPTS, 12)
+    outputs = serve(engine, PROMPTS, 12)
+    eager_outputs = serve(_engine(loaded, "off")[0], PROMPTS, 12)
     for output, eager, prompt in zip(outputs, eager_outputs, PROMPTS, strict=True):
         assert output == eager == greedy_alone(loaded, prompt, 12)
     assert runner.num_graph_replays == len(steps) > 10
@@ -213,6 +200,6 @@ def test_warm_up_runs_each_chunk_size_then_requests_are_served_as_before(
     monkeypatch.undo()
     assert shapes == [(0, [1]), (0, [2]), (0, [4]), (0, [8]), (0, [16]), (4, [12])]
     # Its keys are left in blocks the requests then take: each writes before it reads.
-    outputs = _serve_together(engine, PROMPTS, 12)
+    outputs = serve(engine, PROMPTS, 12)
     for output, prompt in zip(outputs, PROMPTS, strict=True):
         assert output == greedy_alone(loaded, prompt, 12)
