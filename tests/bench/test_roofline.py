@@ -35,4 +35,8 @@ def test_a_bandwidth_given_is_the_one_the_steps_are_set_against(
     point = roofline.measure_decode(tiny_loaded, decoder, 2, 16, 7e9, num_steps=6)
     assert reads == []  # a GPU's device copy, read once before
     assert point.bandwidth_bytes_per_s == 7e9
-    assert point.fraction_of_roofline == point.roofline_s / point.step_s
+    # the roofline is the bytes a step must read at that bandwidth
+    assert point.roofline_s == (point.weight_bytes + point.kv_bytes) / 7e9
+    assert point.weight_bytes == sum(
+        p.numel() * p.element_size() for p in tiny_loaded.model.parameters()
+    )
