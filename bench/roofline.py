@@ -16,6 +16,7 @@ import torch
 from shared.protocol import QueuedRequest, SamplingParams
 from worker.config import EngineConfig
 from worker.model_engine import build_engine
+from worker.runner import host_memory
 from worker.runner.loader import LoadedModel
 from worker.runner.model_runner import kv_bytes_per_token
 from worker.sequence import Sequence
@@ -56,7 +57,8 @@ def measure_bandwidth(device: torch.device | None = None, num_repeats: int = 8) 
     once, both counted), timed by CUDA events."""
     if device is not None and device.type == "cuda":
         return _device_copy_bandwidth(device, num_repeats)
-    probe = torch.ones(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32)
+    # in huge pages, as the weights and the pool are (worker/runner/host_memory.py)
+    probe = host_memory.zeros((BANDWIDTH_PROBE_BYTES // 4,), torch.float32).fill_(1.0)
     probe.sum()
     best_s = float("inf")
     for _ in range(num_repeats):

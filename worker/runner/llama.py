@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.runner import host_memory
 from worker.runner.cpu_decode import DecodeLayers
 from worker.runner.cpu_kernels import load
 from worker.runner.cpu_layer_ops import LayerOps
@@ -116,6 +117,8 @@ class LlamaForward:
         self.eps = config.rms_norm_eps
         self.scaling = self.head_dim**-0.5
         decoder = model.model
+        if decoder.embed_tokens.weight.device.type == "cpu":
+            _into_one_tensor(_decode_order(model))
         self.embed = decoder.embed_tokens.weight
         self.norm = decoder.norm.weight
         self.lm_head = _Linear(model.lm_head.weight.detach())
@@ -249,15 +252,62 @@ def _fuse(layer: Any) -> _Layer:
     )
 
 
+def _decode_order(model: Any) -> list[Any]:
+    """The weights as a decode step reads them: each layer's q, k, v, o, gate, up and down
+    projections, then the LM head (the embedding too, where they are tied)."""
+    order = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                       mlp.up_proj, mlp.down_proj):  # fmt: skip
+            order.append(linear.weight)
+    order.append(model.lm_head.weight)
+    return order
+
+
+def _into_one_tensor(params: list[Any]) -> None:
+    """Copies the CPU weights into one tensor in huge pages (`host_memory`), in the order
+    given, each parameter becoming a view of it: a decode step then streams one run of
+    memory front to back instead of hundreds of separately allocated 4 KB-paged tensors
+    (docs/benchmarks.md, "Weights in huge pages"). Parameters of another dtype keep theirs."""
+    dtype = params[0].dtype
+    params = [p for p in dict.fromkeys(params) if p.dtype == dtype]  # once each, in order
+    arena = host_memory.zeros((sum(p.numel() for p in params),), dtype)
+    start = 0
+    for param in params:
+        view = arena[start : start + param.numel()].view(param.shape)
+        view.copy_(param.detach())
+        param.data = view
+        start += param.numel()
+
+
 def _concat(params: list[Any]) -> torch.Tensor:
     """One tensor of `params` along the first dimension; each parameter then becomes a view
-    into it, so the HF modules (still used by `generate`) share its memory."""
+    into it, so the HF modules (still used by `generate`) share its memory. Parameters that
+    already lie one after another (`_into_one_tensor`) are viewed together, not copied."""
+    first = params[0].detach()
+    shape = (sum(p.shape[0] for p in params), *first.shape[1:])
+    if _adjacent([p.detach() for p in params]):
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
     fused = torch.cat([p.detach() for p in params])
     start = 0
     for param in params:
         param.data = fused[start : start + param.shape[0]]
         start += param.shape[0]
     return fused
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> bool:
+    """Whether contiguous `tensors` of one storage lie back to back in it, in this order."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for tensor in tensors:
+        if not tensor.is_contiguous() or tensor.storage_offset() != offset:
+            return False
+        if tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return False
+        offset += tensor.numel()
+    return True
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,11 +15,10 @@ import time
 import weakref
 from typing import Any
 
-import numpy
 import torch
 
 from shared.protocol import SamplingParams
-from worker.runner import cpu_attention, sampler
+from worker.runner import cpu_attention, host_memory, sampler
 from worker.runner.decode_graphs import DecodeGraphs, DecodeInputs, GraphBuckets
 from worker.runner.kv_blocks import KVLayout, read_blocks, write_blocks
 from worker.runner.llama import LlamaForward
@@ -37,7 +36,6 @@ from worker.runner.paged_attention import (
 from worker.step_batch import ChunkInput, SamplingFailure, StepBatch
 
 log = logging.getLogger("llmfleet.worker")
-CACHE_LINE_BYTES = 64
 # One forward of our own per loaded model, for as long as the model lives: fusing and
 # reordering its weights is most of building a runner (2.2 s of 2.3 for the default model
 # on the CPU), which a standby worker's activation must not pay again (`worker/weights.py`
@@ -441,13 +439,7 @@ def _graph_step(
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool. On the CPU from calloc (numpy's zeros): the kernel's zero pages, mapped
-    as they are first written, so a pool of gigabytes costs nothing until used; `torch.zeros`
-    writes every page first (2.8 s for the default model's 2 GB pool, all of a standby
-    worker's activation). Aligned to 64 bytes, a cache line, for the vector loads."""
+    """A zeroed pool; on the CPU mapped as first written, in huge pages (`host_memory`)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(numpy.zeros(num_bytes + CACHE_LINE_BYTES, dtype=numpy.uint8))
-    offset = -raw.data_ptr() % CACHE_LINE_BYTES
-    return raw[offset : offset + num_bytes].view(dtype).view(shape)
+    return host_memory.zeros(shape, dtype)
