@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 import weakref
 from typing import Any
