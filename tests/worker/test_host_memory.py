@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,28 @@ def test_the_forward_reads_its_weights_from_one_tensor_in_decode_order():
     assert model.model.embed_tokens.weight.data_ptr() == forward.embed.data_ptr()  # tied
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+_ROUNDS = """
+import resource, sys, torch
+from worker.runner import host_memory
+if sys.argv[1] == "keep":
+    host_memory.keep_freed_memory()
+def round_of_steps():  # a step's activations: 64 MB in 4 MB tensors, written, then freed
+    tensors = [torch.empty(4 << 20, dtype=torch.uint8).fill_(1) for _ in range(16)]
+    del tensors
+for _ in range(2):
+    round_of_steps()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+round_of_steps()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_steps_freed_activations_are_not_faulted_in_again():
+    faults = subprocess.run(
+        [sys.executable, "-c", _ROUNDS, "keep"], capture_output=True, text=True, check=True
+    )
+    pages = (64 << 20) // 4096
+    assert int(faults.stdout) < pages // 4, faults.stdout  # without: every page again

@@ -155,6 +155,7 @@ class ModelRunner:
         self._k_pool, self._v_pool = self._make_pools(num_blocks + int(use_graphs))
         if self._device.type == "cpu":
             cpu_attention.load()  # built (once per machine) now, not in a request's first step
+            host_memory.keep_freed_memory()  # a step's activations, not faulted in each step
         self._graphs: DecodeGraphs | None = None
         self.graphs_error: str | None = None  # why a GPU's decode graphs failed to capture
         if use_graphs:
