@@ -1,4 +1,4 @@
-"""Large CPU tensors for what the decode streams: the weights and the KV pool.
+"""Large CPU tensors: the weights, the KV pool, and a step's activations.
 
 `zeros(shape, dtype)` comes from calloc (numpy's zeros): the kernel's zero pages, mapped as
 they are first written, so a pool of gigabytes costs nothing until used (`torch.zeros`
@@ -11,7 +11,11 @@ Why huge pages: at a few sequences a decode step's time is the time to stream th
 and the hardware prefetcher stops at every 4 KB page; on an Intel host whose cores each read
 at ~10 GB/s the few-row matmuls streamed the weights 29% faster from huge pages
 (docs/benchmarks.md, "Weights in huge pages"). `LlamaForward` copies the fused weights into
-one such tensor, in the order a decode step reads them.
+one such tensor, in the order a decode step reads them, at load. The KV pool is not advised:
+its pages are first written while requests are served, and with THP's `defrag` at
+`madvise` (the usual default) a huge-page fault may compact memory first, a stall in a
+request's step; the pool's blocks are read scattered, 2 KB at a time, where huge pages
+gave the decode attention nothing on an AMD host (session 23).
 
 Where madvise is refused (another OS, THP `never`), the tensor is the same calloc'd memory
 in 4 KB pages.
@@ -20,7 +24,7 @@ in 4 KB pages.
 freed every step (a 2,048-token prompt step's MLP output alone is 12 MB). glibc's malloc
 gives large blocks back to the kernel when they are freed (blocks over its mmap threshold,
 and the heap's free top over its trim threshold), and the next step's first writes then
-fault them in again, page by page, each zeroed by the kernel: a quarter of a prompt step's
+fault them in again, page by page, each zeroed by the kernel: a fifth to a quarter of a prompt step's
 time on an Intel host. Raising both thresholds (`mallopt`, as `GLIBC_TUNABLES` would)
 keeps the freed memory in the process for the next step, at the cost of holding the
 largest step's activations (tens of MB) after it. vLLM's CPU backend gets the same by
@@ -46,13 +50,15 @@ HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor, 2 MB aligned, its pages advised as huge (see the module)."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, *, huge_pages: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor, 2 MB aligned, its pages advised as huge unless `huge_pages` is
+    False (see the module)."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     raw = torch.from_numpy(numpy.zeros(num_bytes + HUGE_PAGE_BYTES, dtype=numpy.uint8))
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     tensor = raw[offset : offset + num_bytes]
-    _advise_huge(tensor.data_ptr(), num_bytes)
+    if huge_pages:
+        _advise_huge(tensor.data_ptr(), num_bytes)
     return tensor.view(dtype).view(shape)
 
 

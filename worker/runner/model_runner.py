@@ -439,7 +439,7 @@ def _graph_step(
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool; on the CPU mapped as first written, in huge pages (`host_memory`)."""
+    """A zeroed pool; on the CPU mapped as first written (`host_memory`; 4 KB pages)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return host_memory.zeros(shape, dtype)
+    return host_memory.zeros(shape, dtype, huge_pages=False)
