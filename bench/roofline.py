@@ -57,7 +57,7 @@ def measure_bandwidth(device: torch.device | None = None, num_repeats: int = 8) 
     once, both counted), timed by CUDA events."""
     if device is not None and device.type == "cuda":
         return _device_copy_bandwidth(device, num_repeats)
-    # in huge pages, as the weights and the pool are (worker/runner/host_memory.py)
+    # in huge pages, as the weights are (worker/runner/host_memory.py)
     probe = host_memory.zeros((BANDWIDTH_PROBE_BYTES // 4,), torch.float32).fill_(1.0)
     probe.sum()
     best_s = float("inf")

@@ -373,7 +373,7 @@ def _print_ready(
     console.print(
         f"  curl -N {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
         f'-H \'Content-Type: application/json\' -d \'{{"model": "{model}", "stream": true, '
-        f'"messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n',
+        f'"messages": [{{"role": "user", "content": "What is the capital of France? Answer in one word."}}]}}\'\n',
         soft_wrap=True,
     )
     console.print("A process that exits is started again (logs/up.log). Ctrl-C stops everything.")

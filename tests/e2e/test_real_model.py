@@ -35,7 +35,13 @@ def test_chat_answers_a_real_question(api_url, real_worker, make_tenant):
     _, key = make_tenant("real-chat")
     body = {
         "model": DEFAULT_MODEL_ID,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        # Not "What is the capital of France?": its first token is a near tie in bf16 ("The"
+        # 25.875 against "L" 25.625; fp32 25.32 against 25.24), which the CPU's arithmetic
+        # decides (an Intel host with AMX answered "L'Étoile, la Marseillaise, ..."). Asked
+        # this way the answer leads by 1.4.
+        "messages": [
+            {"role": "user", "content": "What is the capital of France? Answer in one word."}
+        ],
         "max_tokens": 40,
         "temperature": 0,
         "stream_options": {"include_usage": True},
