@@ -41,15 +41,12 @@ def test_zeros_are_zero_aligned_and_shaped():
     not _THP.exists() or "[never]" in _THP.read_text(), reason="no transparent huge pages"
 )
 def test_written_zeros_are_mapped_in_huge_pages():
-    # in a fresh process: after `keep_freed_memory` a large block may be reused heap memory,
-    # already mapped in 4 KB pages (the weights are allocated before it is set)
-    code = (
-        "import torch\nfrom worker.runner import host_memory\n"
-        "from tests.worker.test_host_memory import _huge_kb\n"
-        "t = host_memory.zeros((64 << 20,), torch.uint8)\nt.fill_(1)\nprint(_huge_kb(t.data_ptr()))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert int(out.stdout) >= 32 * 1024  # of its 64 MB, THP maps at least half
+    host_memory.keep_freed_memory()  # as a runner sets it: freed heap memory is kept for reuse
+    freed = [torch.empty(4 << 20, dtype=torch.uint8).fill_(1) for _ in range(32)]
+    del freed
+    tensor = host_memory.zeros((64 << 20,), torch.uint8)  # fresh pages all the same
+    tensor.fill_(1)  # first written: mapped now
+    assert _huge_kb(tensor.data_ptr()) >= 32 * 1024  # of its 64 MB, THP maps at least half
 
 
 def test_the_forward_reads_its_weights_from_one_tensor_in_decode_order():

@@ -1,6 +1,6 @@
 """Large CPU tensors: the weights, the KV pool, and a step's activations.
 
-`zeros(shape, dtype)` comes from calloc (numpy's zeros): the kernel's zero pages, mapped as
+`zeros(shape, dtype)` is an anonymous mapping of its own (`mmap`): the kernel's zero pages, mapped as
 they are first written, so a pool of gigabytes costs nothing until used (`torch.zeros`
 writes every page first: 2.8 s for the default model's 2 GB pool, all of a standby worker's
 activation). It is aligned to 2 MB and, on Linux, advised for transparent huge pages
@@ -17,7 +17,7 @@ its pages are first written while requests are served, and with THP's `defrag` a
 request's step; the pool's blocks are read scattered, 2 KB at a time, where huge pages
 gave the decode attention nothing on an AMD host (session 23).
 
-Where madvise is refused (another OS, THP `never`), the tensor is the same calloc'd memory
+Where madvise is refused (another OS, THP `never`), the tensor is the same mapping
 in 4 KB pages.
 
 `keep_freed_memory()` is for the other large allocations, a step's activations: made and
@@ -39,9 +39,9 @@ import ctypes.util
 import functools
 import logging
 import math
+import mmap
 import sys
 
-import numpy
 import torch
 
 log = logging.getLogger("llmfleet.worker")
@@ -54,7 +54,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, *, huge_pages: bool = True
     """A zeroed CPU tensor, 2 MB aligned, its pages advised as huge unless `huge_pages` is
     False (see the module)."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(numpy.zeros(num_bytes + HUGE_PAGE_BYTES, dtype=numpy.uint8))
+    # its own anonymous mapping: always fresh zero pages, never reused heap memory already
+    # mapped in 4 KB pages (after `keep_freed_memory` malloc would hand those out)
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not shared: THP covers private memory
+    raw = torch.frombuffer(mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, private), dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     tensor = raw[offset : offset + num_bytes]
     if huge_pages:
