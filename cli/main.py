@@ -187,9 +187,12 @@ def worker(
     max_num_prefill_tokens: Annotated[
         int | None,
         typer.Option(
-            help="continuous: tokens of a step with no decodes in it (default: the same)."
+            help=(
+                "continuous: tokens of a step with no decodes in it, or beside decodes while "
+                "a backlog of prompt work waits (at most --max-num-batched-tokens: none)."
+            )
         ),
-    ] = None,
+    ] = DEFAULT_ENGINE.max_num_prefill_tokens,
     shared_batched_tokens: Annotated[
         int,
         typer.Option(
@@ -201,7 +204,7 @@ def worker(
     ] = DEFAULT_ENGINE.shared_batched_tokens or 0,
     itl_target_ms: Annotated[
         float | None,
-        typer.Option(help="continuous: ITL target that adapts the budget beside decodes."),
+        typer.Option(help="continuous: ITL target that guards the budget beside decodes."),
     ] = None,
     block_size: Annotated[
         int, typer.Option(help="continuous: tokens per KV block.")

@@ -21,9 +21,10 @@ class EngineConfig:
     # batch or its queue, or had in the last 10 s (None: no cap): another tenant's next token and first token then
     # wait on at most this much of a neighbour's prompt work (token_budget.py)
     shared_batched_tokens: int | None = 192
-    # continuous batching: the budget of a step with no decodes in it (None: the same), and
-    # the ITL target that adapts the budget beside decodes (None: fixed); token_budget.py
-    max_num_prefill_tokens: int | None = None
+    # continuous batching: the budget of a step with no decodes in it, and of one beside
+    # decodes while a backlog of prompt work waits (None: max_num_batched_tokens), and the ITL
+    # target that guards the budget beside decodes (None: none); token_budget.py
+    max_num_prefill_tokens: int | None = 2048
     itl_target_ms: float | None = None
     block_size: int = 16  # tokens per KV block
     kv_cache_gb: float | None = (

@@ -258,6 +258,7 @@ class Scheduler:
             token_budget=self.budget.for_step(
                 has_decodes,
                 self._is_shared(running_tenants, time.monotonic() if now_s is None else now_s),
+                self._num_prompt_tokens_to_compute(),
             ),
             running_tenants=running_tenants,
         )
@@ -320,6 +321,11 @@ class Scheduler:
                 self.suspects.append(seq)
         return []
 
+    def _num_prompt_tokens_to_compute(self) -> int:
+        """Prompt (or recompute) tokens not yet computed, of the batch and its queue."""
+        left = (seq.num_tokens - seq.num_computed_tokens for seq in (*self.running, *self.waiting))
+        return sum(n for n in left if n > 1)  # one left is a decode's
+
     def _is_shared(self, running_tenants: frozenset[str], now_s: float) -> bool:
         """Whether more than one tenant has work here (running or waiting), or had within
         the last `shared_window_s` seconds."""
@@ -359,21 +365,26 @@ class Scheduler:
             return budget  # out of budget, preempted earlier in this step, or admitted in it
         if self._is_held_back(seq, out):
             return budget
-        num_new = self._chunk_size(seq, budget)
+        num_new = self._chunk_size(seq, budget, out.token_budget)
         if not self._make_room(seq, num_new, scheduled, out):
             return budget
         self._schedule_chunk(seq, num_new, out)
         scheduled.add(id(seq))
         return budget - num_new
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+    def _chunk_size(self, seq: Sequence, budget: int, step_budget: int) -> int:
         """How many of `seq`'s tokens to compute next: what is left, within the budget, and
-        for a prompt chunk deep into a long prompt, within `max_prefill_attention`."""
+        for a prompt chunk deep into a long prompt, within `max_prefill_attention`, which a
+        step larger than `max_num_batched_tokens` (a backlog's) scales with its budget."""
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if num_new <= MIN_PREFILL_CHUNK:
             return num_new
         context = seq.num_computed_tokens + num_new
-        return max(MIN_PREFILL_CHUNK, min(num_new, self.config.max_prefill_attention // context))
+        scale = max(1.0, step_budget / self.config.max_num_batched_tokens)
+        return max(
+            MIN_PREFILL_CHUNK,
+            min(num_new, int(self.config.max_prefill_attention * scale) // context),
+        )
 
     def _is_waiting_ahead_of(self, seq: Sequence, priority: Callable[[Sequence], SortKey]) -> bool:
         head = self.waiting.peek()
@@ -409,7 +420,7 @@ class Scheduler:
         self._charge(seq, seq.num_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self._schedule_chunk(seq, self._chunk_size(seq, budget), out)
+        self._schedule_chunk(seq, self._chunk_size(seq, budget, out.token_budget), out)
         scheduled.add(id(seq))
         if self.waiting.shortens_newcomer_steps and seq.tenant_id not in out.running_tenants:
             out.has_newcomer = True

@@ -130,9 +130,7 @@ def _prefill_case(*, heads, kv_heads, head_dim, block_size, start, tokens, num_b
 
 
 needs_prefill_kernel = pytest.mark.skipif(
-    not cpu_attention.supports_prefill(
-        torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)
-    ),
+    not cpu_attention.has_prefill_kernel(),
     reason="the prompt kernel needs a CPU with AVX512-BF16 and a C compiler",
 )
 
@@ -180,6 +178,7 @@ def test_the_prompt_kernel_attends_as_sdpa_does(
 
 @needs_prefill_kernel
 def test_a_step_uses_the_prompt_kernel_only_for_bf16_chunks_with_a_table(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
     q, k_pool, v_pool, span = _prefill_case(
         heads=9, kv_heads=3, head_dim=64, block_size=16, start=20, tokens=30
     )
@@ -208,3 +207,23 @@ def test_loading_the_kernel_leaves_the_process_float_modes_alone():
     tiny = float("5e-324")
     assert tiny * 1.0 > 0
     assert torch.tensor([tiny], dtype=torch.float64).mul(1.0).item() > 0
+
+
+@needs_prefill_kernel
+def test_on_a_cpu_with_amx_prompt_chunks_take_sdpa(monkeypatch):
+    """There SDPA multiplies in AMX tiles, faster than the kernel's dot products."""
+    q, k_pool, v_pool, span = _prefill_case(
+        heads=9, kv_heads=3, head_dim=64, block_size=16, start=20, tokens=30
+    )
+    calls = []
+    kernel = cpu_attention.paged_prefill
+    monkeypatch.setattr(
+        cpu_attention, "paged_prefill", lambda *a: calls.append(1) or kernel(*a)
+    )  # fmt: skip
+    step = StepMetadata(torch.zeros(0, dtype=torch.long), [], [span])
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: True)
+    expected = paged_attention._prefill(q, k_pool[0], v_pool[0], span, None)
+    assert torch.equal(attend(q, k_pool[0], v_pool[0], step), expected) and not calls
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
+    attend(q, k_pool[0], v_pool[0], step)
+    assert len(calls) == 1

@@ -16,6 +16,7 @@ def _engine(loaded, prefix_caching: bool = True):
     config = EngineConfig(
         max_num_seqs=4,
         max_num_batched_tokens=32,
+        max_num_prefill_tokens=None,  # every step 32 tokens: a 43-token prompt takes two
         num_kv_blocks=64,
         prefix_caching=prefix_caching,
     )

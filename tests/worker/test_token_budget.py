@@ -1,5 +1,6 @@
-"""The step's token budget: large while nothing decodes, and beside decodes the most that
-keeps a step within the ITL target (by feedback from measured steps)."""
+"""The step's token budget: large while nothing decodes or a backlog of prompt work waits,
+small beside decodes otherwise, and beside decodes within the ITL target's guard (by
+feedback from measured steps)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from worker.fair_queue import FairQueue, FifoQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.scheduler import Scheduler, SchedulerConfig
-from worker.token_budget import MIN_TOKENS, TokenBudget
+from worker.token_budget import DRAIN_STEPS, MIN_TOKENS, TokenBudget
 
 
 def test_a_step_with_no_decodes_takes_the_prefill_budget():
@@ -28,11 +29,13 @@ def test_beside_decodes_the_budget_follows_the_itl_target():
     assert budget.for_step(has_decodes=True) == 120
     budget.observe(120, 120, has_decodes=True, seconds=0.09)  # full, near the target: stays
     assert budget.for_step(has_decodes=True) == 120
-    for _ in range(20):
-        budget.observe(budget.decode_tokens, budget.decode_tokens, True, 0.01)
-    assert budget.for_step(has_decodes=True) == 1024  # never past the prefill budget
+    for _ in range(20):  # a backlog asks for more, and full steps stay fast: the guard grows
+        step_budget = budget.for_step(has_decodes=True, waiting_tokens=10_000)
+        budget.observe(step_budget, step_budget, True, 0.01)
+    assert budget.for_step(has_decodes=True, waiting_tokens=10_000) == 1024  # the ceiling
+    assert budget.for_step(has_decodes=True) == 192  # no backlog: the small budget
     budget.observe(1024, 1024, has_decodes=True, seconds=100.0)
-    assert budget.for_step(has_decodes=True) == MIN_TOKENS
+    assert budget.for_step(has_decodes=True, waiting_tokens=10_000) == MIN_TOKENS
     budget.observe(1000, 1000, has_decodes=False, seconds=100.0)  # no decode waited on it
     assert budget.for_step(has_decodes=True) == MIN_TOKENS
 
@@ -41,6 +44,17 @@ def test_without_a_target_the_budget_beside_decodes_is_fixed():
     budget = TokenBudget(192, 1024, None)
     budget.observe(192, 192, has_decodes=True, seconds=10.0)
     assert budget.for_step(has_decodes=True) == 192
+    budget.observe(1024, 1024, has_decodes=True, seconds=10.0)
+    assert budget.for_step(has_decodes=True, waiting_tokens=10_000) == 1024
+
+
+def test_beside_decodes_a_backlog_of_prompt_work_takes_the_large_budget():
+    budget = TokenBudget(384, 2048, None, shared_tokens=192)
+    # up to DRAIN_STEPS small steps' worth is a prompt or two arriving: small steps
+    assert budget.for_step(has_decodes=True, waiting_tokens=DRAIN_STEPS * 384) == 384
+    assert budget.for_step(has_decodes=True, waiting_tokens=DRAIN_STEPS * 384 + 1) == 2048
+    assert budget.for_step(has_decodes=True, is_shared=True, waiting_tokens=10_000) == 192
+    assert TokenBudget(384, None, None).for_step(has_decodes=True, waiting_tokens=10_000) == 384
 
 
 def _schedule_all(scheduler: Scheduler) -> list[int]:
@@ -56,13 +70,17 @@ def _schedule_all(scheduler: Scheduler) -> list[int]:
 
 
 def test_a_burst_is_prefilled_in_few_large_steps_then_small_ones_beside_its_decodes():
+    """Large steps while the burst's backlog is more than DRAIN_STEPS small steps would
+    clear (the first with nothing decoding yet), then small ones beside its decodes."""
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_num_prefill_tokens=512)
     scheduler = Scheduler(config, KVCacheManager(256, 16), FifoQueue(), LatestArrivalFirst())
     for i in range(16):
         scheduler.add(make_sequence(i, num_prompt_tokens=100, max_tokens=50))
     per_step = _schedule_all(scheduler)
-    assert per_step[0] == 512  # nothing decodes yet: five prompts and part of a sixth
-    assert max(per_step[1:]) <= 64  # then five decode beside every later step
+    # 1,600 prompt tokens: 512 with nothing decoding, then 512 with the first five decodes,
+    # and 512 again (583 left, more than 2 x 64); the last 69 in small steps beside decodes
+    assert DRAIN_STEPS == 2
+    assert per_step[:3] == [512] * 3 and max(per_step[3:]) <= 64 and len(per_step) == 5
     fixed = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64)
     scheduler = Scheduler(fixed, KVCacheManager(256, 16), FifoQueue(), LatestArrivalFirst())
     for i in range(16):
@@ -113,3 +131,22 @@ def test_a_tenant_whose_requests_ended_keeps_the_step_capped_for_the_shared_wind
     scheduler.postprocess(soon_after, [65] * sum(c.is_sampling for c in soon_after.chunks))
     after_the_window = scheduler.schedule(now_s=110.5)
     assert after_the_window.token_budget == 256 and after_the_window.num_batched_tokens == 256
+
+
+def test_a_large_step_takes_long_prompts_in_chunks_as_large_in_proportion():
+    """`max_prefill_attention` bounds a chunk's tokens x context for a step of
+    `max_num_batched_tokens`; a step of a larger budget (a backlog's) scales it, so a long
+    prompt is not cut into as many steps as it would be beside a small budget."""
+    steps = {}
+    for prefill_tokens in (None, 512):
+        config = SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_num_prefill_tokens=prefill_tokens,
+            max_prefill_attention=64 * 64,
+        )
+        scheduler = Scheduler(config, KVCacheManager(256, 16), FifoQueue(), LatestArrivalFirst())
+        scheduler.add(make_sequence(0, num_prompt_tokens=400, max_tokens=5))
+        steps[prefill_tokens] = _schedule_all(scheduler)
+    assert steps[512][0] == 64 * 64 * 8 // 400  # 81: the cap x 512 / 64, over 400 of context
+    assert len(steps[None]) > 2 * len(steps[512])

@@ -14,7 +14,8 @@ torch 2.13's CPU SDPA runs at 20-90 GFLOP/s on a chunk's shapes, a quarter of a 
 step. The kernel packs the sequence's keys and values out of the pool into the layout of the
 bf16 dot-product instruction, then computes 16 query positions at a time (scores, causal
 softmax in fp32, weights times values), 2-3x faster than SDPA on this machine. Elsewhere
-(no AVX512-BF16, fp32 models, a GPU) chunks take SDPA.
+(no AVX512-BF16, fp32 models, a GPU) chunks take SDPA, and so do they on CPUs with AMX,
+where SDPA multiplies in AMX tiles and is 2.3-3.8x faster than the kernel (`has_amx`).
 
 Both are C (`csrc/paged_attention.c`: GCC's vector extensions and, for the prompt kernel,
 AVX-512 intrinsics), built and loaded with the runner's other kernels (`cpu_kernels.py`),
@@ -33,9 +34,12 @@ the weights to bf16 before the values.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from worker.runner.cpu_kernels import load
+from worker.runner.loader import cpu_flags
 
 MAX_HEAD_DIM = 256
 MAX_QUERIES_PER_KV_HEAD = 16
@@ -103,12 +107,30 @@ def paged_decode(
     return out
 
 
+def has_prefill_kernel() -> bool:
+    """Whether the prompt kernel is built here (a CPU with AVX512-BF16 dot products)."""
+    library = load()
+    return library is not None and bool(library.prefill_available())
+
+
 def supports_prefill(q: torch.Tensor, key_pool: torch.Tensor) -> bool:
-    """Whether the kernel takes a layer's prompt chunks: as `supports`, but bf16 only, a head
-    dimension a multiple of 32, and a CPU with AVX512-BF16 dot products (the library says
-    whether it was built with them)."""
-    library = load() if q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0 else None
-    return library is not None and bool(library.prefill_available()) and supports(q, key_pool)
+    """Whether a layer's prompt chunks take the kernel: as `supports`, but bf16 only, a head
+    dimension a multiple of 32, the kernel built here, and a CPU without AMX (`has_amx`)."""
+    return (
+        q.dtype == torch.bfloat16
+        and q.shape[-1] % 32 == 0
+        and not has_amx()
+        and has_prefill_kernel()
+        and supports(q, key_pool)
+    )
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether the CPU multiplies bf16 matrices in AMX tiles: torch's SDPA then does (through
+    oneDNN's brgemm), 2.3-3.8x faster than the prompt kernel's dot products on a chunk's
+    shapes (docs/benchmarks.md, session 25), so prompt chunks take SDPA there."""
+    return "amx_bf16" in cpu_flags()
 
 
 def paged_prefill(
