@@ -15,7 +15,7 @@ step. The kernel packs the sequence's keys and values out of the pool into the l
 bf16 dot-product instruction, then computes 16 query positions at a time (scores, causal
 softmax in fp32, weights times values), 2-3x faster than SDPA on this machine. Elsewhere
 (no AVX512-BF16, fp32 models, a GPU) chunks take SDPA, and so do they on CPUs with AMX,
-where SDPA multiplies in AMX tiles and is 2.3-3.8x faster than the kernel (`has_amx`).
+where SDPA multiplies in AMX tiles and is 2.5-3.8x faster than the kernel from 256 tokens (`has_amx`).
 
 Both are C (`csrc/paged_attention.c`: GCC's vector extensions and, for the prompt kernel,
 AVX-512 intrinsics), built and loaded with the runner's other kernels (`cpu_kernels.py`),
@@ -128,8 +128,9 @@ def supports_prefill(q: torch.Tensor, key_pool: torch.Tensor) -> bool:
 @functools.cache
 def has_amx() -> bool:
     """Whether the CPU multiplies bf16 matrices in AMX tiles: torch's SDPA then does (through
-    oneDNN's brgemm), 2.3-3.8x faster than the prompt kernel's dot products on a chunk's
-    shapes (docs/benchmarks.md, session 25), so prompt chunks take SDPA there."""
+    oneDNN's brgemm), 2.5-3.8x faster than the prompt kernel's dot products on chunks of 256
+    tokens or more (1.3x at 64) at the default model's shapes (docs/benchmarks.md, session
+    25), so prompt chunks take SDPA there."""
     return "amx_bf16" in cpu_flags()
 
 
