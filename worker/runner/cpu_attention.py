@@ -15,7 +15,8 @@ step. The kernel packs the sequence's keys and values out of the pool into the l
 bf16 dot-product instruction, then computes 16 query positions at a time (scores, causal
 softmax in fp32, weights times values), 2-3x faster than SDPA on this machine. Elsewhere
 (no AVX512-BF16, fp32 models, a GPU) chunks take SDPA, and so do they on CPUs with AMX,
-where SDPA multiplies in AMX tiles and is 2.5-3.8x faster than the kernel from 256 tokens (`has_amx`).
+where SDPA multiplies in AMX tiles and is 2.5-3.8x faster than the kernel on chunks of 256
+tokens or more (`has_amx`).
 
 Both are C (`csrc/paged_attention.c`: GCC's vector extensions and, for the prompt kernel,
 AVX-512 intrinsics), built and loaded with the runner's other kernels (`cpu_kernels.py`),
