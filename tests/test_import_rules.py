@@ -25,6 +25,7 @@ TORCH_ALLOWED = (
     "bench.gpu_check",
     "bench.gpu_model",
     "bench.kv_transfer",
+    "bench.prompt_attention",
 )
 
 
