@@ -176,9 +176,8 @@ def test_the_prompt_kernel_attends_as_sdpa_does(
     assert not torch.equal(moved[-1], got[-1])
 
 
-@needs_prefill_kernel
-def test_a_step_uses_the_prompt_kernel_only_for_bf16_chunks_with_a_table(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
+def _counted_prompt_step(monkeypatch):
+    """A one-chunk prompt step, and the list that the prompt kernel's calls append to."""
     q, k_pool, v_pool, span = _prefill_case(
         heads=9, kv_heads=3, head_dim=64, block_size=16, start=20, tokens=30
     )
@@ -188,6 +187,13 @@ def test_a_step_uses_the_prompt_kernel_only_for_bf16_chunks_with_a_table(monkeyp
         cpu_attention, "paged_prefill", lambda *a: calls.append(1) or kernel(*a)
     )  # fmt: skip
     step = StepMetadata(torch.zeros(0, dtype=torch.long), [], [span])
+    return q, k_pool, v_pool, span, step, calls
+
+
+@needs_prefill_kernel
+def test_a_step_uses_the_prompt_kernel_only_for_bf16_chunks_with_a_table(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
+    q, k_pool, v_pool, span, step, calls = _counted_prompt_step(monkeypatch)
     with_kernel = attend(q, k_pool[0], v_pool[0], step)
     assert len(calls) == 1
     expected = paged_attention._prefill(q, k_pool[0], v_pool[0], span, None)
@@ -212,15 +218,7 @@ def test_loading_the_kernel_leaves_the_process_float_modes_alone():
 @needs_prefill_kernel
 def test_on_a_cpu_with_amx_prompt_chunks_take_sdpa(monkeypatch):
     """There SDPA multiplies in AMX tiles, faster than the kernel's dot products."""
-    q, k_pool, v_pool, span = _prefill_case(
-        heads=9, kv_heads=3, head_dim=64, block_size=16, start=20, tokens=30
-    )
-    calls = []
-    kernel = cpu_attention.paged_prefill
-    monkeypatch.setattr(
-        cpu_attention, "paged_prefill", lambda *a: calls.append(1) or kernel(*a)
-    )  # fmt: skip
-    step = StepMetadata(torch.zeros(0, dtype=torch.long), [], [span])
+    q, k_pool, v_pool, span, step, calls = _counted_prompt_step(monkeypatch)
     monkeypatch.setattr(cpu_attention, "has_amx", lambda: True)
     expected = paged_attention._prefill(q, k_pool[0], v_pool[0], span, None)
     assert torch.equal(attend(q, k_pool[0], v_pool[0], step), expected) and not calls
