@@ -8,7 +8,12 @@
  * thread, which the hardware prefetcher follows at full rate), and dots each row with the
  * few rows of x, which stay in L1. oneDNN's matmul at one row read the same weights at about
  * half that rate here (docs/benchmarks.md, "Few-row matmuls"). k is a multiple of 32 (checked
- * by the caller). */
+ * by the caller).
+ *
+ * Each 64-byte line of w is asked for PREFETCH_AHEAD bytes before it is read, into L2: on an
+ * Intel Xeon (Sapphire Rapids class) the hardware prefetcher alone streamed a layer's weights
+ * at 25-28 GB/s, and with the hint at 31-37 (a plain read of one large run: 30 against 39);
+ * on an AMD EPYC host the same hint changed nothing (docs/benchmarks.md, session 26). */
 #include <stdint.h>
 
 #include "vec.h"
@@ -29,6 +34,15 @@ static inline int omp_thread(void) { return 0; }
 
 int few_rows_available(void) { return MAX_ROWS; }
 
+/* 3-4 KB ahead streamed fastest of 0.5-4 KB (T1: into L2; T0 was slower, NTA half as fast) */
+#define PREFETCH_AHEAD 3072
+
+/* The 64-byte line at p, its prefetch asked for on the way. */
+static inline __m512bh load_pairs_ahead(const uint16_t *p) {
+    _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T1);
+    return (__m512bh)_mm512_loadu_si512(p);
+}
+
 static inline __m512bh load_pairs(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512(p);
 }
@@ -46,13 +60,13 @@ static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t
         int i = 0;
         for (; i + 128 <= k; i += 128)
             for (int a = 0; a < 4; a++) {
-                const __m512bh wa = load_pairs(wj + i + 32 * a);
+                const __m512bh wa = load_pairs_ahead(wj + i + 32 * a);
                 for (int r = 0; r < ROWS; r++)
                     sum[r][a] = _mm512_dpbf16_ps(sum[r][a], wa,
                                                  load_pairs(x + (int64_t)r * k + i + 32 * a));
             }
         for (int a = 0; i < k; i += 32, a++) { /* the last 32-96 of the row */
-            const __m512bh wa = load_pairs(wj + i);
+            const __m512bh wa = load_pairs_ahead(wj + i);
             for (int r = 0; r < ROWS; r++)
                 sum[r][a] = _mm512_dpbf16_ps(sum[r][a], wa, load_pairs(x + (int64_t)r * k + i));
         }
