@@ -57,13 +57,15 @@ def make_sequence_for(request: QueuedRequest, decoder) -> Sequence:
     return Sequence.from_request(request, decoder, frozenset())
 
 
-def serve_together(runner, prompts: list[list[int]], num_blocks: int, max_tokens: int = 12):
+def serve_together(
+    runner, prompts: list[list[int]], num_blocks: int, max_tokens: int = 12, max_num_seqs: int = 4
+):
     """Each prompt a request of its own tenant, all added at once to a continuous engine over
-    `runner` (its pool: `num_blocks` blocks of 4) with a 16-token budget, so prompts are
-    chunked and, with few blocks, preempted; served to the end. (Their output tokens, the
-    number of preemptions.)"""
+    `runner` (its pool: `num_blocks` blocks of 4) with a 16-token budget and at most
+    `max_num_seqs` running, so prompts are chunked and, with few blocks, preempted; served
+    to the end. (Their output tokens, the number of preemptions.)"""
     scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16),
         KVCacheManager(num_blocks, 4),
         FairQueue(quantum_tokens=8),
         TenantAwarePreemption(),

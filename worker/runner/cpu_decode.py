@@ -1,4 +1,4 @@
-"""A decode step of a few sequences (1-4) through every decoder layer in one C call.
+"""A decode step of a few sequences (1-8) through every decoder layer in one C call.
 
 At one sequence a layer of the default model streams its 7 MB of weights in about a quarter
 of a millisecond, and the Python between the kernels (the forward's glue, each kernel's

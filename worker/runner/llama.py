@@ -36,7 +36,7 @@ class _Linear:
     """`y = x @ weight.T + bias`. On the CPU the weight is packed once into oneDNN's blocked
     layout (what inductor's freezing does): the matmul then skips the per-call reorder, with
     identical results in bf16 (docs/benchmarks.md, "Our own forward"). A bf16 matmul of at
-    most 4 rows (a decode step of 1-4 sequences) takes the C kernel in `csrc/few_rows.c`
+    most 8 rows (a decode step of 1-8 sequences) takes the C kernel in `csrc/few_rows.c`
     instead, which streams the weights at nearly the memory's rate where oneDNN's reached
     about half of it (docs/benchmarks.md, "Few-row matmuls")."""
 
@@ -131,7 +131,7 @@ class LlamaForward:
             (config.hidden_size, config.intermediate_size),
             self.head_dim,
         )
-        # On the CPU, a decode step of 1-4 sequences through every layer in one C call
+        # On the CPU, a decode step of 1-8 sequences through every layer in one C call
         self.decode_layers = DecodeLayers.for_forward(self)
 
     @staticmethod

@@ -1,4 +1,4 @@
-/* Every decoder layer of a decode step of a few sequences (1-4) in one call: what
+/* Every decoder layer of a decode step of a few sequences (1-8) in one call: what
  * `llama.py`'s fused forward does layer by layer from Python, here with no Python between
  * the kernels. At one sequence a layer's weights stream in about a quarter of a millisecond,
  * and the forward's Python glue, the kernels' argument conversion and each torch op's
