@@ -12,8 +12,9 @@
  *
  * Each 64-byte line of w is asked for PREFETCH_AHEAD bytes before it is read, into L2: on an
  * Intel Xeon (Sapphire Rapids class) the hardware prefetcher alone streamed a layer's weights
- * at 25-28 GB/s, and with the hint at 31-37 (a plain read of one large run: 30 against 39);
- * on an AMD EPYC host the same hint changed nothing (docs/benchmarks.md, session 26). */
+ * at 25-28 GB/s, and with the hint at 31-37 (a plain read of one large run: 30 against 39;
+ * docs/benchmarks.md, session 26); on an AMD EPYC host a similar hint, 2-8 KB ahead, had
+ * changed nothing (session 23). */
 #include <stdint.h>
 
 #include "vec.h"
