@@ -51,8 +51,9 @@ static inline __m512bh load_pairs(const uint16_t *p) {
 /* w's rows n0 .. n1 - 1 against the `ROWS` rows of x; four sums a row of x up to 4 rows, so
  * that the dot-product instructions of one weight row do not wait on each other (with two,
  * the weights streamed at 66-70 GB/s where the host gave 76-78, and at 72 with four); two a
- * row at 5-7 rows and one at 8, where the rows alone keep the instructions independent and
- * two sums a row spilled out of the 32 registers (a layer 510 us against 400 with one). */
+ * row at 5-7 rows and one at 8, where the rows alone keep the instructions independent (two
+ * a row at 8 rows took a layer 510 us against 400 with one in a C probe, likely from the
+ * pressure on the 32 vector registers). */
 static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                             uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
     for (int j = n0; j < n1; j++) {
