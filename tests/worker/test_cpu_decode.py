@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (37, 96), (1000, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):

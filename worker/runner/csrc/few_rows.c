@@ -4,17 +4,19 @@
  *
  * With so few rows the matmul reads each weight once and does almost no arithmetic with it:
  * its time is the time to stream the weights from memory. Each thread takes a contiguous run
- * of w's rows and reads it front to back, one row at a time (a single sequential stream per
- * thread, which the hardware prefetcher follows at full rate), and dots each row with the
- * few rows of x, which stay in L1. oneDNN's matmul at one row read the same weights at about
- * half that rate here (docs/benchmarks.md, "Few-row matmuls"). k is a multiple of 32 (checked
- * by the caller).
+ * of w's rows and reads it front to back (at one row of x, and at eight, one row of w at a
+ * time: a single sequential stream per thread, which the hardware prefetcher follows at full
+ * rate; at 2-7 rows of x, two or four rows of w side by side, so that each load of x serves
+ * them all), and dots it with the few rows of x, which stay in L1. oneDNN's matmul at one
+ * row read the same weights at about half that rate here (docs/benchmarks.md, "Few-row
+ * matmuls"). k is a multiple of 32 (checked by the caller).
  *
- * Each 64-byte line of w is asked for PREFETCH_AHEAD bytes before it is read, into L2: on an
- * Intel Xeon (Sapphire Rapids class) the hardware prefetcher alone streamed a layer's weights
- * at 25-28 GB/s, and with the hint at 31-37 (a plain read of one large run: 30 against 39;
+ * Each 64-byte line of w is asked for ahead of its use, into L2: on an Intel Xeon (Sapphire
+ * Rapids class) the hardware prefetcher alone streamed a layer's weights at 25-28 GB/s, and
+ * with the hint 3 KB ahead at 31-37 (a plain read of one large run: 30 against 39;
  * docs/benchmarks.md, session 26); on an AMD EPYC host a similar hint, 2-8 KB ahead, had
- * changed nothing (session 23). */
+ * changed nothing at one row (session 23), and 8 KB ahead took a fifth to a third off the
+ * matmuls of 5-6 rows read side by side (session 27). */
 #include <stdint.h>
 
 #include "vec.h"
@@ -38,6 +40,12 @@ int few_rows_available(void) { return MAX_ROWS; }
 /* 3-4 KB ahead streamed fastest of 0.5-4 KB (T1: into L2; T0 was slower, NTA half as fast) */
 #define PREFETCH_AHEAD 3072
 
+/* Where J rows of w are read side by side (dot_group), each line is asked for at least 8 KB
+ * ahead, at the same place in a later group's row: on an AMD EPYC host a layer's matmuls of
+ * 5-6 rows took 0.69-0.76 of the time with 8 KB, 0.93-1.05 with one group (4.6 KB for the
+ * default model's k of 576) and 1.02-1.39 with 2 KB spread over the rows (a C probe). */
+#define GROUP_AHEAD 8192
+
 /* The 64-byte line at p, its prefetch asked for on the way. */
 static inline __m512bh load_pairs_ahead(const uint16_t *p) {
     _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T1);
@@ -48,17 +56,25 @@ static inline __m512bh load_pairs(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512(p);
 }
 
-/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x; four sums a row of x up to 4 rows, so
- * that the dot-product instructions of one weight row do not wait on each other (with two,
- * the weights streamed at 66-70 GB/s where the host gave 76-78, and at 72 with four); two a
- * row at 5-7 rows and one at 8, where the rows alone keep the instructions independent (two
- * a row at 8 rows took a layer 510 us against 400 with one in a C probe, likely from the
- * pressure on the 32 vector registers). */
+static inline float bias_at(const uint16_t *bias, int j) {
+    float b = 0.f;
+    if (bias) {
+        const uint32_t bits = (uint32_t)bias[j] << 16;
+        memcpy(&b, &bits, sizeof b);
+    }
+    return b;
+}
+
+/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x, one row of w at a time (1 and 8 rows
+ * of x, and what is left past the groups below); four sums a row of x up to 4 rows, so that
+ * the dot-product instructions of one weight row do not wait on each other (with two, the
+ * weights streamed at 66-70 GB/s where the host gave 76-78, and at 72 with four), one at 5-8,
+ * where the rows alone keep them independent. */
 static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                             uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
     for (int j = n0; j < n1; j++) {
         const uint16_t *wj = w + (int64_t)j * k;
-        const int S = ROWS <= 4 ? 4 : ROWS < 8 ? 2 : 1; /* sums a row of x */
+        const int S = ROWS <= 4 ? 4 : 1; /* sums a row of x */
         __m512 sum[MAX_ROWS][4];
         for (int r = 0; r < ROWS; r++)
             for (int a = 0; a < S; a++) sum[r][a] = _mm512_setzero_ps();
@@ -75,18 +91,65 @@ static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t
             for (int r = 0; r < ROWS; r++)
                 sum[r][a % S] = _mm512_dpbf16_ps(sum[r][a % S], wa, load_pairs(x + (int64_t)r * k + i));
         }
-        float b = 0.f;
-        if (bias) {
-            const uint32_t bits = (uint32_t)bias[j] << 16;
-            memcpy(&b, &bits, sizeof b);
-        }
         for (int r = 0; r < ROWS; r++) {
-            const __m512 total = S == 1 ? sum[r][0] : S == 2 ? _mm512_add_ps(sum[r][0], sum[r][1])
+            const __m512 total = S == 1 ? sum[r][0]
                                         : _mm512_add_ps(_mm512_add_ps(sum[r][0], sum[r][1]),
                                                         _mm512_add_ps(sum[r][2], sum[r][3]));
-            y[(int64_t)r * n + j] = to_bf16(_mm512_reduce_add_ps(total) + b);
+            y[(int64_t)r * n + j] = to_bf16(_mm512_reduce_add_ps(total) + bias_at(bias, j));
         }
     }
+}
+
+/* The same with J rows of w at a time (2-7 rows of x): each 32 values of a row of x are
+ * loaded once for the J rows of w, where one row of w at a time loaded them once a row of w.
+ * With 2-8 rows of x those loads and the dot products, not the memory, had bound the kernel:
+ * on an AMD EPYC host (Zen 4) its weights streamed from L2 at 84 GB/s at 2 rows, 50 at 4, 40
+ * at 8, and from memory under the memory's rate (docs/benchmarks.md, session 27). S sums
+ * per (row of x, row of w). */
+static inline __attribute__((always_inline)) void dot_group(const uint16_t *x, const uint16_t *w,
+                                                            const uint16_t *bias, uint16_t *y,
+                                                            const int ROWS, const int J, const int S,
+                                                            int n, int k, int j) {
+    enum { J_MAX = 4 };
+    const uint16_t *wj = w + (int64_t)j * k;
+    /* the rows of w asked for: the same rows of the group GROUP_AHEAD bytes ahead or more */
+    const int64_t ahead = (int64_t)(GROUP_AHEAD + J * k * 2 - 1) / (J * k * 2) * J * k;
+    __m512 sum[MAX_ROWS][J_MAX][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int a = 0; a < J; a++)
+            for (int b = 0; b < S; b++) sum[r][a][b] = _mm512_setzero_ps();
+    for (int i = 0, c = 0; i < k; i += 32, c++) {
+        __m512bh wa[J_MAX];
+        for (int a = 0; a < J; a++) {
+            _mm_prefetch((const char *)(wj + ahead + (int64_t)a * k + i), _MM_HINT_T1);
+            wa[a] = load_pairs(wj + (int64_t)a * k + i);
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const __m512bh xr = load_pairs(x + (int64_t)r * k + i);
+            for (int a = 0; a < J; a++)
+                sum[r][a][c % S] = _mm512_dpbf16_ps(sum[r][a][c % S], wa[a], xr);
+        }
+    }
+    for (int a = 0; a < J; a++) {
+        const float b = bias_at(bias, j + a);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 total = S == 1 ? sum[r][a][0] : _mm512_add_ps(sum[r][a][0], sum[r][a][1]);
+            y[(int64_t)r * n + j + a] = to_bf16(_mm512_reduce_add_ps(total) + b);
+        }
+    }
+}
+
+/* w's rows n0 .. n1 - 1 against 2-7 rows of x: four rows of w at a time up to 4 rows of x,
+ * two at 5-7 (more sums than the 32 vector registers hold otherwise); at 8 two at a time were
+ * no faster than one (the dot products alone bound it). One sum per (row of x, row of w):
+ * J * ROWS >= 8 of them, independent of each other; two for the last rows of w, one at a
+ * time. */
+static inline void dot_groups(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                              uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
+    const int J = ROWS <= 4 ? 4 : 2;
+    int j = n0;
+    for (; j + J <= n1; j += J) dot_group(x, w, bias, y, ROWS, J, 1, n, k, j);
+    for (; j < n1; j++) dot_group(x, w, bias, y, ROWS, 1, 2, n, k, j);
 }
 
 int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
@@ -99,12 +162,12 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         const int n0 = t * per < n ? t * per : n, n1 = n0 + per < n ? n0 + per : n;
         switch (rows) { /* a constant row count, so the loops over x's rows unroll */
         case 1: dot_rows(x, w, bias, y, 1, n, k, n0, n1); break;
-        case 2: dot_rows(x, w, bias, y, 2, n, k, n0, n1); break;
-        case 3: dot_rows(x, w, bias, y, 3, n, k, n0, n1); break;
-        case 4: dot_rows(x, w, bias, y, 4, n, k, n0, n1); break;
-        case 5: dot_rows(x, w, bias, y, 5, n, k, n0, n1); break;
-        case 6: dot_rows(x, w, bias, y, 6, n, k, n0, n1); break;
-        case 7: dot_rows(x, w, bias, y, 7, n, k, n0, n1); break;
+        case 2: dot_groups(x, w, bias, y, 2, n, k, n0, n1); break;
+        case 3: dot_groups(x, w, bias, y, 3, n, k, n0, n1); break;
+        case 4: dot_groups(x, w, bias, y, 4, n, k, n0, n1); break;
+        case 5: dot_groups(x, w, bias, y, 5, n, k, n0, n1); break;
+        case 6: dot_groups(x, w, bias, y, 6, n, k, n0, n1); break;
+        case 7: dot_groups(x, w, bias, y, 7, n, k, n0, n1); break;
         default: dot_rows(x, w, bias, y, 8, n, k, n0, n1); break;
         }
     }
