@@ -203,9 +203,62 @@ static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const
  * pass over an item's keys asks for the keys two 16-row runs ahead and for the values one
  * run ahead (read after the softmax): 5-15% off the attention from memory, at 2-64
  * sequences (docs/benchmarks.md, session 23; further ahead, or everything at once, gained
- * less). A macro: the hint must be a constant where `_mm_prefetch` sees it. */
+ * less). Both into L2 (T1): the keys asked for into L1 (T0) held each request in one of L1's
+ * few miss buffers, and on an AMD EPYC host a step's attention from memory took 0.75-0.93 of
+ * the time with T1 (session 27; three or four runs ahead, or the next item's keys and values
+ * asked for while this one computes from its cache, were slower). A macro: the hint must be
+ * a constant where `_mm_prefetch` sees it. */
 #define prefetch_16_rows(rows, dim, hint)                                                      \
     for (int at = 0; at < 16 * (dim) * 2; at += 64) _mm_prefetch((const char *)(rows) + at, hint)
+
+/* The weighted values of the group's queries gb .. gb + NQ - 1 (their softmax weights in
+ * `weights`, rounded to bf16), two keys at a time: the two value rows interleaved into (key 0,
+ * key 1) pairs of each dimension, each pair shared by the NQ queries; the sums put back in
+ * dimension order once at the end. */
+static inline __attribute__((always_inline)) void values_dot(const Step *s, int row, int kvh,
+                                                             int gb, const uint16_t *weights,
+                                                             int max_len, const int DIMV,
+                                                             const int NQ) {
+    const int W = DIMV / 2, group = s->heads / s->kv_heads, dim = DIMV * 16, bs = s->block_size;
+    const int len = s->lengths[row];
+    const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
+    const uint16_t *v_pool = s->v_pool;
+    const int64_t head_at = (int64_t)kvh * s->num_blocks;
+    const __m512i lo_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512 lo[NQ][MAX_DIMV / 2], hi[NQ][MAX_DIMV / 2];
+    const uint32_t *w[NQ];
+    for (int i = 0; i < NQ; i++) {
+        w[i] = (const uint32_t *)(weights + (int64_t)(gb + i) * max_len);
+        for (int c = 0; c < W; c++) lo[i][c] = hi[i][c] = _mm512_setzero_ps();
+    }
+    for (int p = 0; p < len; p += 2) {
+        const uint16_t *v0 = pool_at(s, v_pool, table, head_at, p, dim), *v1 = 0;
+        if (p + 1 < len) /* the next row of the block where blocks are of even size */
+            v1 = bs % 2 == 0 ? v0 + dim : pool_at(s, v_pool, table, head_at, p + 1, dim);
+        for (int c = 0; c < W; c++) {
+            const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+            const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
+            const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            const __m512bh ph = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int i = 0; i < NQ; i++) {
+                const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[i][p / 2]);
+                lo[i][c] = _mm512_dpbf16_ps(lo[i][c], pl, wp);
+                hi[i][c] = _mm512_dpbf16_ps(hi[i][c], ph, wp);
+            }
+        }
+    }
+    for (int i = 0; i < NQ; i++) {
+        uint16_t *out = (uint16_t *)s->out +
+                        ((int64_t)row * s->heads + (int64_t)kvh * group + gb + i) * dim;
+        for (int c = 0; c < W; c++) {
+            const __m512 first = _mm512_permutex2var_ps(lo[i][c], lo_order, hi[i][c]);
+            const __m512 second = _mm512_permutex2var_ps(lo[i][c], hi_order, hi[i][c]);
+            _mm256_storeu_si256((__m256i *)(out + c * 32), (__m256i)_mm512_cvtneps_pbh(first));
+            _mm256_storeu_si256((__m256i *)(out + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(second));
+        }
+    }
+}
 
 static inline __attribute__((always_inline)) void attend_item_dot(const Step *s, int item,
                                                                  int g0, int g1, float *scores,
@@ -229,7 +282,7 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
             if (p0 < whole && bs % 16 == 0) { /* 16 rows of one block */
                 const uint16_t *k = pool_at(s, k_pool, table, head_at, p0, dim);
                 if (g == g0 && p0 + 32 < len) { /* the pass that reads from memory */
-                    prefetch_16_rows(pool_at(s, k_pool, table, head_at, p0 + 32, dim), dim, _MM_HINT_T0);
+                    prefetch_16_rows(pool_at(s, k_pool, table, head_at, p0 + 32, dim), dim, _MM_HINT_T1);
                     prefetch_16_rows(pool_at(s, v_pool, table, head_at, p0 + 16, dim), dim, _MM_HINT_T1);
                 }
                 for (int j = 0; j < 16; j++) dots[j] = (f16v)dot_row(k + j * dim, qg, W);
@@ -252,43 +305,13 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sc + p), inv)));
         w[len] = 0; /* an odd count's last pair: the key past the end weighs nothing */
     }
-    const __m512i lo_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int gb = g0; gb < g1; gb += QB) { /* values: QB queries a pass */
+    for (int gb = g0; gb < g1; gb += QB) { /* values: QB queries a pass, the last pass's as
+        many as are left (a constant count each, so that no query is computed for nothing) */
         const int nq = g1 - gb < QB ? g1 - gb : QB;
-        __m512 lo[QB_MAX][MAX_DIMV / 2], hi[QB_MAX][MAX_DIMV / 2];
-        for (int i = 0; i < QB; i++)
-            for (int c = 0; c < W; c++) lo[i][c] = hi[i][c] = _mm512_setzero_ps();
-        const uint32_t *w[QB_MAX];
-        for (int i = 0; i < QB; i++)
-            w[i] = (const uint32_t *)(weights + (int64_t)(gb + (i < nq ? i : 0)) * max_len);
-        for (int p = 0; p < len; p += 2) {
-            const uint16_t *v0 = pool_at(s, v_pool, table, head_at, p, dim), *v1 = 0;
-            if (p + 1 < len) /* the next row of the block where blocks are of even size */
-                v1 = bs % 2 == 0 ? v0 + dim : pool_at(s, v_pool, table, head_at, p + 1, dim);
-            for (int c = 0; c < W; c++) {
-                const __m512i a = _mm512_loadu_si512(v0 + c * 32);
-                const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
-                const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(a, b);
-                const __m512bh ph = (__m512bh)_mm512_unpackhi_epi16(a, b);
-                for (int i = 0; i < QB; i++) {
-                    const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[i][p / 2]);
-                    lo[i][c] = _mm512_dpbf16_ps(lo[i][c], pl, wp);
-                    hi[i][c] = _mm512_dpbf16_ps(hi[i][c], ph, wp);
-                }
-            }
-        }
-        for (int i = 0; i < nq; i++) {
-            uint16_t *out = (uint16_t *)s->out +
-                            ((int64_t)row * s->heads + (int64_t)kvh * group + gb + i) * dim;
-            for (int c = 0; c < W; c++) {
-                const __m512 first = _mm512_permutex2var_ps(lo[i][c], lo_order, hi[i][c]);
-                const __m512 second = _mm512_permutex2var_ps(lo[i][c], hi_order, hi[i][c]);
-                _mm256_storeu_si256((__m256i *)(out + c * 32), (__m256i)_mm512_cvtneps_pbh(first));
-                _mm256_storeu_si256((__m256i *)(out + c * 32 + 16),
-                                    (__m256i)_mm512_cvtneps_pbh(second));
-            }
-        }
+        if (nq == 1) values_dot(s, row, kvh, gb, weights, max_len, DIMV, 1);
+        else if (nq == 2) values_dot(s, row, kvh, gb, weights, max_len, DIMV, 2);
+        else if (nq == 3) values_dot(s, row, kvh, gb, weights, max_len, DIMV, 3);
+        else values_dot(s, row, kvh, gb, weights, max_len, DIMV, QB_MAX);
     }
 }
 #else
