@@ -203,11 +203,14 @@ static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const
  * pass over an item's keys asks for the keys two 16-row runs ahead and for the values one
  * run ahead (read after the softmax): 5-15% off the attention from memory, at 2-64
  * sequences (docs/benchmarks.md, session 23; further ahead, or everything at once, gained
- * less). Both into L2 (T1): the keys asked for into L1 (T0) held each request in one of L1's
- * few miss buffers, and on an AMD EPYC host a step's attention from memory took 0.75-0.93 of
- * the time with T1 (session 27; three or four runs ahead, or the next item's keys and values
- * asked for while this one computes from its cache, were slower). A macro: the hint must be
- * a constant where `_mm_prefetch` sees it. */
+ * less). The values into L2 (T1); the keys into L1 (T0) where their run continues the one
+ * before it in the pool (blocks handed out one after another: the hardware prefetcher
+ * follows them there), else into L2: a request into L1 holds one of its few miss buffers
+ * until the line comes, and for blocks that lie anywhere the step's attention from memory
+ * took 0.71-0.82 of the time with L2, where blocks in a row took 1.10-1.15 with L2 and
+ * 0.91-1.03 with this choice (an AMD EPYC host, a C probe, session 27; the next item's keys
+ * and values asked for while this one computes from its cache were slower). A macro: the hint
+ * must be a constant where `_mm_prefetch` sees it. */
 #define prefetch_16_rows(rows, dim, hint)                                                      \
     for (int at = 0; at < 16 * (dim) * 2; at += 64) _mm_prefetch((const char *)(rows) + at, hint)
 
@@ -282,7 +285,11 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
             if (p0 < whole && bs % 16 == 0) { /* 16 rows of one block */
                 const uint16_t *k = pool_at(s, k_pool, table, head_at, p0, dim);
                 if (g == g0 && p0 + 32 < len) { /* the pass that reads from memory */
-                    prefetch_16_rows(pool_at(s, k_pool, table, head_at, p0 + 32, dim), dim, _MM_HINT_T1);
+                    const uint16_t *ahead = pool_at(s, k_pool, table, head_at, p0 + 32, dim);
+                    if (ahead == pool_at(s, k_pool, table, head_at, p0 + 16, dim) + 16 * dim)
+                        prefetch_16_rows(ahead, dim, _MM_HINT_T0); /* a run the hardware follows */
+                    else
+                        prefetch_16_rows(ahead, dim, _MM_HINT_T1);
                     prefetch_16_rows(pool_at(s, v_pool, table, head_at, p0 + 16, dim), dim, _MM_HINT_T1);
                 }
                 for (int j = 0; j < 16; j++) dots[j] = (f16v)dot_row(k + j * dim, qg, W);
