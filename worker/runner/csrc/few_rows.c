@@ -15,8 +15,8 @@
  * Rapids class) the hardware prefetcher alone streamed a layer's weights at 25-28 GB/s, and
  * with the hint 3 KB ahead at 31-37 (a plain read of one large run: 30 against 39;
  * docs/benchmarks.md, session 26); on an AMD EPYC host a similar hint, 2-8 KB ahead, had
- * changed nothing at one row (session 23), and 8 KB ahead took a fifth to a third off the
- * matmuls of 5-6 rows read side by side (session 27). */
+ * changed nothing at one row (session 23), and 8 KB ahead took up to a third off the
+ * matmuls of 2-6 rows read side by side (session 27). */
 #include <stdint.h>
 
 #include "vec.h"
@@ -41,9 +41,10 @@ int few_rows_available(void) { return MAX_ROWS; }
 #define PREFETCH_AHEAD 3072
 
 /* Where J rows of w are read side by side (dot_group), each line is asked for at least 8 KB
- * ahead, at the same place in a later group's row: on an AMD EPYC host a layer's matmuls of
- * 5-6 rows took 0.69-0.76 of the time with 8 KB, 0.93-1.05 with one group (4.6 KB for the
- * default model's k of 576) and 1.02-1.39 with 2 KB spread over the rows (a C probe). */
+ * ahead, at the same place in a later group's row: on an AMD EPYC host the layers' matmuls of
+ * 5-6 rows took 0.69-0.90 of the old kernel's time with 8 KB (the less in the minutes its
+ * memory was fast), 0.93-1.07 with one group (4.6 KB for the default model's k of 576) and
+ * 1.02-1.39 with 2 KB spread over the rows (a C probe, session 27). */
 #define GROUP_AHEAD 8192
 
 /* The 64-byte line at p, its prefetch asked for on the way. */
@@ -65,11 +66,10 @@ static inline float bias_at(const uint16_t *bias, int j) {
     return b;
 }
 
-/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x, one row of w at a time (1 and 8 rows
- * of x, and what is left past the groups below); four sums a row of x up to 4 rows, so that
- * the dot-product instructions of one weight row do not wait on each other (with two, the
- * weights streamed at 66-70 GB/s where the host gave 76-78, and at 72 with four), one at 5-8,
- * where the rows alone keep them independent. */
+/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8), one row of w at a time; four
+ * sums at one row of x, so that the dot-product instructions of one weight row do not wait on
+ * each other (with two, the weights streamed at 66-70 GB/s where the host gave 76-78, and at
+ * 72 with four), one a row at 8, where the rows alone keep them independent. */
 static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                             uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
     for (int j = n0; j < n1; j++) {

@@ -206,11 +206,11 @@ static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const
  * less). The values into L2 (T1); the keys into L1 (T0) where their run continues the one
  * before it in the pool (blocks handed out one after another: the hardware prefetcher
  * follows them there), else into L2: a request into L1 holds one of its few miss buffers
- * until the line comes, and for blocks that lie anywhere the step's attention from memory
- * took 0.71-0.82 of the time with L2, where blocks in a row took 1.10-1.15 with L2 and
- * 0.91-1.03 with this choice (an AMD EPYC host, a C probe, session 27; the next item's keys
- * and values asked for while this one computes from its cache were slower). A macro: the hint
- * must be a constant where `_mm_prefetch` sees it. */
+ * until the line comes. On an AMD EPYC host (a C probe, session 27) the step's attention from
+ * memory took 0.71-0.91 of the time where blocks lie anywhere and 0.86-1.03 where they lie in
+ * a row (into L2 for all: 1.10-1.16 in a row); the next item's keys and values asked for while
+ * this one computes from its cache were slower. A macro: the hint must be a constant where
+ * `_mm_prefetch` sees it. */
 #define prefetch_16_rows(rows, dim, hint)                                                      \
     for (int at = 0; at < 16 * (dim) * 2; at += 64) _mm_prefetch((const char *)(rows) + at, hint)
 
