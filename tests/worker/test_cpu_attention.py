@@ -42,6 +42,10 @@ def _case(dtype, *, heads, kv_heads, head_dim, block_size, lengths, num_blocks=6
         (6, 2, 64, 5),
         (16, 1, 64, 16),
         (2, 1, 256, 16),
+        # the values pass's query counts: 4 then the 2 left (6 a KV head), and 2 of 2 at a
+        # head of 128
+        (12, 2, 64, 16),
+        (8, 4, 128, 16),
     ],
 )
 def test_the_kernel_attends_as_the_torch_path_does(dtype, heads, kv_heads, head_dim, block_size):
