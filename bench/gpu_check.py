@@ -7,6 +7,9 @@ Sections (docs/benchmarks.md, "GPU check"):
 - `correctness`: greedy tokens of the engine, prompts served together, against
   `transformers` generate for each prompt alone, with and without decode graphs, for the
   GGUF file and an HF directory exported from it (`bench/export_hf.py`);
+- `steps`: eager steps of fixed shapes (decodes beside prompt chunks), the runner with a
+  step's prompt chunks in one padded attention call and its decodes in few groups, and
+  without, taking turns (`bench/step_times.py`);
 - `throughput`: output tokens/s, TTFT and ITL at 1, 32 and 128 streams, engine-direct, with
   and without decode graphs;
 - `roofline`: decode steps at batch 1 and 64 against the device's memory bandwidth;
@@ -34,8 +37,9 @@ from typing import Any
 
 import torch
 
-from bench import metrics, scenario_driver, scenarios
+from bench import metrics, scenario_driver, scenarios, step_times
 from bench.engine_direct import run_engine, sequence_of
+from bench.step_times import StepShape
 from bench.workload import RequestSpec, TenantSpec, make_workload
 from shared import heap, model_source
 from worker.config import DEFAULT_ENGINE, EngineConfig
@@ -43,7 +47,7 @@ from worker.engine import ContinuousBatchingEngine, build_scheduler
 from worker.runner import loader
 from worker.runner.model_runner import ModelRunner, kv_cache_budget_bytes, num_blocks_for_budget
 
-SECTIONS = ("correctness", "throughput", "roofline", "scenarios")
+SECTIONS = ("correctness", "steps", "throughput", "roofline", "scenarios")
 NO_CUDA = "skipped: no CUDA"
 STREAMS = (1, 32, 128)
 ROOFLINE_BATCH_SIZES = (1, 64)
@@ -303,7 +307,44 @@ def _first_divergence(output: list[int], expected: list[int]) -> int:
     )
 
 
-# ---- throughput, roofline, scenarios ----------------------------------------------------
+# ---- steps, throughput, roofline, scenarios ---------------------------------------------
+
+# Eager steps as a burst at 128 streams makes them: decodes of contexts from 37 to 600
+# tokens beside the next prompts' chunks (the 2,048-token budget); `--quick`'s on the CPU.
+STEP_SHAPES = [
+    StepShape("128 decodes", 128, 0, 0, context_spread=True),
+    StepShape("128 decodes + 4 prompt chunks of 256", 128, 256, 4, context_spread=True),
+    StepShape("128 decodes + 16 prompt chunks of 64", 128, 64, 16, context_spread=True),
+    StepShape("32 decodes + 8 prompt chunks of 200", 32, 200, 8, context_spread=True),
+    StepShape("8 prompt chunks of 256", 0, 256, 8),
+]
+QUICK_STEP_SHAPES = [
+    StepShape("8 decodes + 3 prompt chunks of 16", 8, 16, 3, context_spread=True),
+    StepShape("3 prompt chunks of 16", 0, 16, 3),
+]
+
+
+def steps_section(args, section: Section, device: torch.device, plan: Plan) -> None:
+    """Median eager step times: padded attention (a GPU's default) against a call per prompt
+    chunk and per group of decodes (the CPU's way), in one process, taking turns."""
+    loaded, _decoder = load_default(args, device)
+    runners = {
+        label: ModelRunner(
+            loaded,
+            step_times.NUM_BLOCKS,
+            step_times.BLOCK_SIZE,
+            plan.engine.forward,
+            graphs="off",
+            pad_attention=pad,
+        )
+        for label, pad in (("padded", True), ("per call", False))
+    }
+    shapes = QUICK_STEP_SHAPES if args.quick else STEP_SHAPES
+    rows = step_times.measure_runners(
+        runners, shapes, num_rounds=10, deadline=lambda: not section.has_time(10)
+    )
+    section.put("rows", [{k: v for k, v in row.items() if k != "all_s"} for row in rows])
+    section.save("ok" if len(rows) == len(shapes) else "cut short: out of time")
 
 
 def load_default(args, device: torch.device):
@@ -478,6 +519,7 @@ def _capacity_from(path: str | None) -> float | None:
 
 RUNNERS: dict[str, Callable[..., None]] = {
     "correctness": correctness,
+    "steps": steps_section,
     "throughput": throughput,
     "roofline": roofline_section,
     "scenarios": scenarios_section,

@@ -38,9 +38,9 @@ mkdir -p "$(dirname "$OUT")"
 # deadline; `timeout` ends it 15 s after). Their sum plus the setup stays under 8 minutes.
 # GPU_CHECK_BUDGETS overrides them (the CPU test on a loaded machine gives more).
 if [ -n "$QUICK" ]; then
-    BUDGETS="correctness:60 throughput:60 roofline:40 scenarios:60"
+    BUDGETS="correctness:60 steps:30 throughput:60 roofline:40 scenarios:60"
 else
-    BUDGETS="correctness:90 throughput:115 roofline:45 scenarios:135"
+    BUDGETS="correctness:80 steps:35 throughput:115 roofline:40 scenarios:135"
 fi
 BUDGETS=${GPU_CHECK_BUDGETS:-$BUDGETS}
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("correctness", "throughput", "roofline", "scenarios")
+SECTIONS = ("correctness", "steps", "throughput", "roofline", "scenarios")
 
 
 def merge(files: list[Path], meta: dict[str, str]) -> dict[str, Any]:
@@ -61,6 +61,14 @@ def _correctness_lines(data: dict[str, Any]) -> list[str]:
                      f"{verdict}; {row['num_graph_replays']} graph steps")  # fmt: skip
         if row.get("graphs_error"):
             lines.append(f"      no graphs: {row['graphs_error']}")
+    return lines
+
+
+def _steps_lines(data: dict[str, Any]) -> list[str]:
+    lines = []
+    for row in data.get("rows", []):
+        medians = "  ".join(f"{name} {t * 1e3:.2f} ms" for name, t in row["median_s"].items())
+        lines.append(f"   {row['shape']:42s} {medians}")
     return lines
 
 
@@ -123,6 +131,7 @@ def _scenarios_lines(data: dict[str, Any]) -> list[str]:
 
 SECTION_LINES = {
     "correctness": _correctness_lines,
+    "steps": _steps_lines,
     "throughput": _throughput_lines,
     "roofline": _roofline_lines,
     "scenarios": _scenarios_lines,

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Generous on a loaded 2-core machine: the sections' own deadlines skip what would not fit,
 # and the test wants every measurement made.
-BUDGETS = "correctness:150 throughput:240 roofline:150 scenarios:240"
+BUDGETS = "correctness:150 steps:90 throughput:240 roofline:150 scenarios:240"
 
 
 def test_gpu_check_quick_on_the_cpu_reports_every_section(tiny_model_dir, tmp_path):
@@ -34,7 +34,8 @@ def test_gpu_check_quick_on_the_cpu_reports_every_section(tiny_model_dir, tmp_pa
     assert report["device"]["type"] == "cpu" and report["device"]["cuda"] == "skipped: no CUDA"
     sections = report["sections"]
     assert {name: data["status"] for name, data in sections.items()} == {
-        "correctness": "ok", "throughput": "ok", "roofline": "ok", "scenarios": "ok"
+        "correctness": "ok", "steps": "ok", "throughput": "ok", "roofline": "ok",
+        "scenarios": "ok",
     }, result.stdout  # fmt: skip
 
     correctness = {(r["weights"], r.get("graphs")): r for r in sections["correctness"]["results"]}
@@ -43,6 +44,12 @@ def test_gpu_check_quick_on_the_cpu_reports_every_section(tiny_model_dir, tmp_pa
     eager = correctness["hf-directory", "eager"]
     assert static["is_identical"] and eager["is_identical"]
     assert static["num_graph_replays"] > 0 and eager["num_graph_replays"] == 0
+
+    steps = sections["steps"]["rows"]
+    assert [row["num_chunks"] for row in steps] == [3, 3]
+    for row in steps:
+        assert set(row["median_s"]) == {"padded", "per call"}
+        assert all(seconds > 0 for seconds in row["median_s"].values())
 
     runs = sections["throughput"]["runs"]
     assert len(runs) == 6  # 1, 32 and 128 streams, with and without the static path

@@ -27,7 +27,14 @@ from worker.scheduler import Scheduler, SchedulerConfig
 MAX_NEW_TOKENS = 12
 
 
-def _engine(loaded, num_blocks: int, block_size: int, max_num_seqs: int, budget: int):
+def _engine(
+    loaded,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    budget: int,
+    pad_attention: bool | None = None,
+):
     kv = KVCacheManager(num_blocks, block_size, prefix_caching=True)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs, budget),
@@ -35,7 +42,8 @@ def _engine(loaded, num_blocks: int, block_size: int, max_num_seqs: int, budget:
         FairQueue(quantum_tokens=8),
         TenantAwarePreemption(),
     )
-    return ContinuousBatchingEngine(scheduler, ModelRunner(loaded, num_blocks, block_size))
+    runner = ModelRunner(loaded, num_blocks, block_size, pad_attention=pad_attention)
+    return ContinuousBatchingEngine(scheduler, runner)
 
 
 # Three tenants: (tenant id, tier, weight).
@@ -138,6 +146,43 @@ def test_decodes_in_separate_attention_calls_stay_exact(attentive_loaded):
     assert max(num_groups) == 2
     for i, (_, prompt, n) in enumerate(arrivals):
         assert outputs[f"r{i}"] == greedy_alone(attentive_loaded, prompt, n)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arrivals=st.lists(arrival, min_size=2, max_size=6),
+    block_size=st.sampled_from([1, 4, 16]),
+    budget=st.integers(4, 48),
+)
+def test_a_gpus_padded_attention_equals_generate_alone(
+    attentive_loaded, arrivals, block_size, budget
+):
+    """A GPU's eager step (one padded call for the prompt chunks, decodes in few groups),
+    run here on the CPU."""
+    largest = max(len(p) + n for _, p, n in arrivals)
+    num_blocks = -(-largest // block_size) * 2
+    engine = _engine(attentive_loaded, num_blocks, block_size, 4, budget, pad_attention=True)
+    outputs = _run(engine, arrivals)
+    for i, (_, prompt, n) in enumerate(arrivals):
+        assert outputs[f"r{i}"] == greedy_alone(attentive_loaded, prompt, n)
+
+
+def test_padded_attention_takes_a_steps_chunks_in_one_call(attentive_loaded, monkeypatch):
+    batches = []  # (chunks, padded) of each step with prompt chunks
+    make = ModelRunner._prefill_batch
+    monkeypatch.setattr(
+        ModelRunner,
+        "_prefill_batch",
+        lambda self, batch: batches.append((len(batch.prefills), b := make(self, batch))) or b,
+    )
+    # Four prompts of 20-35 tokens at once, then two more while they decode.
+    arrivals = [(0, list(range(1000 + 50 * i, 1020 + 55 * i)), 6) for i in range(4)]
+    arrivals += [(3, list(range(4000, 4030)), 6), (3, list(range(5000, 5025)), 6)]
+    engine = _engine(attentive_loaded, 200, 4, 6, 64, pad_attention=True)
+    outputs = _run(engine, arrivals)
+    for i, (_, prompt, n) in enumerate(arrivals):
+        assert outputs[f"r{i}"] == greedy_alone(attentive_loaded, prompt, n)
+    assert any(chunks >= 2 and padded is not None for chunks, padded in batches)
 
 
 @pytest.mark.slow

@@ -27,10 +27,12 @@ from worker.runner.paged_attention import (
     STEP_KWARG,
     DecodeGroup,
     PagedKVCache,
+    PrefillBatch,
     PrefillSpan,
     StepMetadata,
     decode_group,
     pool_rows,
+    prefill_batch,
 )
 from worker.step_batch import ChunkInput, SamplingFailure, StepBatch
 
@@ -90,13 +92,18 @@ def num_blocks_for_budget(loaded: LoadedModel, kv_cache_bytes: int, block_size: 
 # 2-4k padded positions do: two short sequences among twelve long ones ran 5% faster in one
 # call, and 10 rows of 60 beside 2 of 4,000 8x slower (docs/benchmarks.md, session 9).
 MAX_MERGE_PADDING = 4096
+# On a GPU a call costs its ~12 launches a layer (~0.1 ms eager) where 128k padded positions
+# cost ~0.03 ms of gathering (this model's 768 bytes of KV a position, at 3 TB/s).
+MAX_MERGE_PADDING_GPU = 1 << 17
 
 
-def decode_group_bounds(ends: list[int], block_size: int) -> list[tuple[int, int]]:
+def decode_group_bounds(
+    ends: list[int], block_size: int, max_merge_padding: int = MAX_MERGE_PADDING
+) -> list[tuple[int, int]]:
     """[start, end) of each group of decodes, given their contexts in ascending order: split
     where the context more than doubles, so no row is padded to more than twice its length;
     then a group joins the next one up when padding its rows to that one's longest context
-    adds at most `MAX_MERGE_PADDING` positions (one call fewer costs less than that)."""
+    adds at most `max_merge_padding` positions (one call fewer costs less than that)."""
     if not ends:
         return []
     splits = [0]
@@ -108,7 +115,7 @@ def decode_group_bounds(ends: list[int], block_size: int) -> list[tuple[int, int
     for start, end in groups[1:]:
         low_start, low_end = merged[-1]
         added = (low_end - low_start) * (ends[end - 1] - ends[low_end - 1])
-        if added <= MAX_MERGE_PADDING:
+        if added <= max_merge_padding:
             merged[-1] = (low_start, end)
         else:
             merged.append((start, end))
@@ -130,6 +137,7 @@ class ModelRunner:
         graphs: str = "auto",
         max_num_seqs: int = 64,
         graph_buckets: GraphBuckets | None = None,
+        pad_attention: bool | None = None,
     ) -> None:
         """`forward`: "own" (`llama.py`), "hf" (the HF forward with our attention plugged
         in), or "auto": our own where the architecture has one.
@@ -137,7 +145,12 @@ class ModelRunner:
         `graphs`, for decode-only steps of our own forward: "auto" (CUDA graphs on a GPU,
         none on the CPU), "off", or "on" (the padded static path on any device: on the CPU
         it is called, not replayed; for the tests). `graph_buckets`: the captured shapes
-        (default: `GraphBuckets.default` up to `max_num_seqs`)."""
+        (default: `GraphBuckets.default` up to `max_num_seqs`).
+
+        `pad_attention`: attend an eager step's prompt chunks in one padded call and its
+        decodes in as few groups as 128k padded positions allow (`paged_attention.py`),
+        where a call's launches cost more than the padding's arithmetic: None (the
+        default) does so on a GPU."""
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}, not {graphs!r}")
         self._loaded = loaded
@@ -149,6 +162,9 @@ class ModelRunner:
         if forward == "own" and not LlamaForward.supports(self._model):
             raise ValueError(f"no own forward for {self._model.config.model_type!r} models")
         self._forward = own_forward(self._model) if use_own else None
+        self._pad_attention = (
+            self._device.type == "cuda" if pad_attention is None else pad_attention
+        )
         use_graphs = _uses_graphs(graphs, self._forward, self._device)
         # The decode graphs' padding rows write to a block of their own, past the KV
         # manager's `num_blocks`, so no sequence's keys are ever overwritten.
@@ -378,12 +394,27 @@ class ModelRunner:
                 span.table = block_ids.to(torch.int32)
             prefills.append(span)
             query_start = query_end
-        return StepMetadata(slot_mapping, self._decode_groups(batch.decodes), prefills)
+        step = StepMetadata(slot_mapping, self._decode_groups(batch.decodes), prefills)
+        if self._pad_attention and batch.prefills:
+            step.prefill_batch = self._prefill_batch(batch)
+        return step
+
+    def _prefill_batch(self, batch: StepBatch) -> PrefillBatch | None:
+        chunks = batch.prefills
+        return prefill_batch(
+            len(batch.decodes),
+            [len(c.token_ids) for c in chunks],
+            [c.end for c in chunks],
+            [c.block_ids[: -(-c.end // self.block_size)] for c in chunks],
+            self._k_pool[0],
+            self._model.dtype,
+        )
 
     def _decode_groups(self, decodes: list[ChunkInput]) -> list[DecodeGroup]:
         """Decodes (by ascending context, as the batch has them) in groups that share one
         attention call each (`decode_group_bounds`)."""
-        bounds = decode_group_bounds([c.end for c in decodes], self.block_size)
+        max_padding = MAX_MERGE_PADDING_GPU if self._pad_attention else MAX_MERGE_PADDING
+        bounds = decode_group_bounds([c.end for c in decodes], self.block_size, max_padding)
         return [self._decode_group(decodes[start:end], start) for start, end in bounds]
 
     def _decode_group(self, decodes: list[ChunkInput], query_start: int) -> DecodeGroup:

@@ -18,7 +18,10 @@ and then the registered attention function, which attends per sequence:
 - each prefill chunk in its own SDPA call, causal with the chunk's offset. On a CPU with
   AVX512-BF16 dot products, the kernel takes bf16 chunks instead (`cpu_attention.py`): torch
   2.13's CPU SDPA runs at 20-90 GFLOP/s on these shapes, a quarter of the step's time on a
-  chunk of 384 tokens, where the kernel, on one thread, is 2-5x faster.
+  chunk of 384 tokens, where the kernel, on one thread, is 2-5x faster. On a GPU a step's
+  chunks are padded into one batch and attended in one SDPA call instead (`PrefillBatch`):
+  there an eager step's time is its launches, ~8 for each chunk in each layer, not the
+  padding's arithmetic (the first GPU check: docs/benchmarks.md).
 
 The pool is laid out by KV head, then block ([layers, kv_heads, blocks, block_size,
 head_dim]), so keys are gathered a whole block at a time (one contiguous copy per block, not
@@ -83,11 +86,25 @@ class PrefillSpan:
     table: torch.Tensor | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """A step's prompt chunks, padded to the longest chunk and the longest context, for one
+    SDPA call in each layer (`prefill_batch`)."""
+
+    query_start: int  # the chunks' rows in the packed batch: [query_start, query_end)
+    query_end: int
+    query_rows: torch.Tensor  # [chunks, longest chunk]: packed row of each query; padded
+    pool_rows: torch.Tensor  # `pool_rows` of the chunks' tables, padded to the longest one
+    bias: torch.Tensor  # [chunks, 1, longest chunk, longest context]: 0 where a query sees a key
+    real_rows: torch.Tensor  # [query_end - query_start]: the real queries' flat padded rows
+
+
 @dataclass(slots=True)
 class StepMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: flat slot (block * block_size + offset) per token
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    prefill_batch: PrefillBatch | None = None  # set: the prefills in one call (a GPU's way)
 
 
 class PagedKVCache:
@@ -130,6 +147,12 @@ def attend(q, key_pool, value_pool, step: StepMetadata, scaling=None) -> torch.T
             )
         else:
             out[rows] = _decode(q[:, rows], key_pool, value_pool, group, scaling)
+    batch = step.prefill_batch
+    if batch is not None:
+        out[batch.query_start : batch.query_end] = _prefill_batch(
+            q, key_pool, value_pool, batch, scaling
+        )
+        return out
     prefill_kernel = bool(step.prefills) and cpu_attention.supports_prefill(q, key_pool)
     for span in step.prefills:
         rows = slice(span.query_start, span.query_end)
@@ -165,6 +188,55 @@ def decode_group(
     return DecodeGroup(query_start, query_start + tables.shape[0], tables, lengths)
 
 
+# A padded batch is used only while its padding costs at most this many times the chunks'
+# own queries x keys, and its mask stays under MAX_PADDED_BIAS elements (16 chunks of 512
+# queries over 2,048 keys): past that a call per chunk costs less than the padding.
+MAX_PADDING_FACTOR = 4
+MAX_PADDED_BIAS = 1 << 24
+
+
+def prefill_batch(
+    query_start: int,
+    lengths: list[int],  # each chunk's new tokens, in packed order
+    contexts: list[int],  # each chunk's keys: every token up to its end
+    tables: list[list[int]],  # each chunk's block table, up to its end
+    pool: torch.Tensor,  # one layer's pool [kv_heads, blocks, block_size, head_dim]
+    dtype: torch.dtype,
+) -> PrefillBatch | None:
+    """The chunks as one padded batch, or None where the padding would cost more than the
+    calls it saves (`MAX_PADDING_FACTOR`, `MAX_PADDED_BIAS`). A padding query repeats its
+    chunk's last row and sees key 0 alone (a finite softmax); its output is dropped."""
+    num_kv_heads, num_blocks, block_size, _ = pool.shape
+    longest, max_blocks = max(lengths), max(len(table) for table in tables)
+    padded = len(lengths) * longest * max_blocks * block_size
+    real = sum(n * c for n, c in zip(lengths, contexts, strict=True))
+    if padded > MAX_PADDING_FACTOR * real or padded > MAX_PADDED_BIAS:
+        return None
+    device = pool.device
+    offsets = torch.arange(longest, device=device)
+    lengths_t = torch.tensor(lengths, device=device)
+    contexts_t = torch.tensor(contexts, device=device)
+    starts = torch.cumsum(lengths_t, 0) - lengths_t + query_start
+    is_real = offsets[None, :] < lengths_t[:, None]  # [chunks, longest]
+    last_rows = starts + lengths_t - 1
+    query_rows = torch.where(is_real, starts[:, None] + offsets, last_rows[:, None])
+    positions = (contexts_t - lengths_t)[:, None] + offsets  # each query's own position
+    keys = torch.arange(max_blocks * block_size, device=device)
+    sees = torch.where(is_real[..., None], keys <= positions[..., None], keys == 0)
+    bias = torch.zeros(sees.shape, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
+    padded_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], device=device)
+    return PrefillBatch(
+        query_start,
+        query_start + sum(lengths),
+        query_rows,
+        pool_rows(padded_tables.flatten(), num_kv_heads, num_blocks),
+        bias[:, None],
+        torch.tensor(
+            [c * longest + i for c, n in enumerate(lengths) for i in range(n)], device=device
+        ),
+    )
+
+
 def _gather(pool: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """Blocks of one layer's pool (`rows`: from `pool_rows`) -> [kv_heads, num_seqs,
     context, head_dim], contiguous."""
@@ -195,6 +267,22 @@ def _prefill(q, key_pool, value_pool, span: PrefillSpan, scaling) -> torch.Tenso
         q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=True
     )
     return o[0].transpose(0, 1)  # [chunk, heads, dim]
+
+
+def _prefill_batch(q, key_pool, value_pool, batch: PrefillBatch, scaling) -> torch.Tensor:
+    heads, _, dim = q.shape
+    num_chunks, longest = batch.query_rows.shape
+    q = q.index_select(1, batch.query_rows.flatten()).view(heads, num_chunks, longest, dim)
+    k = _gather(key_pool, batch.pool_rows, num_chunks)  # [kv_heads, chunks, context, dim]
+    v = _gather(value_pool, batch.pool_rows, num_chunks)
+    # Query head h reads kv head h // group (HF's repeat_kv), spelled out rather than SDPA's
+    # enable_gqa: CUDA's memory-efficient kernel, the one that takes a mask, has no GQA.
+    kv_heads, context = k.shape[0], k.shape[2]
+    shape = (num_chunks, kv_heads, heads // kv_heads, context, dim)
+    k = k.transpose(0, 1)[:, :, None].expand(shape).reshape(num_chunks, heads, context, dim)
+    v = v.transpose(0, 1)[:, :, None].expand(shape).reshape(num_chunks, heads, context, dim)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=batch.bias, scale=scaling)
+    return o.transpose(1, 2).flatten(0, 1).index_select(0, batch.real_rows)  # [rows, heads, dim]
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
