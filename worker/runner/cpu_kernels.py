@@ -39,6 +39,7 @@ _SOURCES = (
     "paged_attention.c",
     "layer_ops.c",
     "few_rows.c",
+    "amx_matmul.c",
     "decode_layers.c",
 )  # each includes "vec.h"
 _HEADERS = ("vec.h",)
@@ -58,6 +59,9 @@ _SIGNATURES = {  # name: (argument types, result type)
     "few_rows_available": ((), _I),
     "matmul_few_rows": ((*[_P] * 4, *[_I] * 3), _I),
     "decode_layers": ((*[_P] * 9, _I, _I, _P), _I),
+    "amx_available": ((), _I),
+    "amx_pack": ((_P, _P, _I, _I), None),
+    "amx_matmul": ((*[_P] * 4, *[_I] * 3), _I),
 }
 
 

@@ -38,14 +38,22 @@ class _Linear:
     identical results in bf16 (docs/benchmarks.md, "Our own forward"). A bf16 matmul of at
     most 8 rows (a decode step of 1-8 sequences) takes the C kernel in `csrc/few_rows.c`
     instead, which streams the weights at nearly the memory's rate where oneDNN's reached
-    about half of it (docs/benchmarks.md, "Few-row matmuls")."""
+    about half of it (docs/benchmarks.md, "Few-row matmuls"). On a CPU with AMX, the weight
+    is packed into AMX's tiles instead of oneDNN's layout and every bf16 matmul of more rows
+    takes `csrc/amx_matmul.c`: at a decode step's 9-64 rows it streams the weights a third
+    faster than oneDNN, bit for bit the same up to 32 rows (session 28)."""
 
-    __slots__ = ("_few_rows", "_packed", "bias", "max_few_rows", "weight")
+    __slots__ = ("_amx", "_few_rows", "_packed", "bias", "max_few_rows", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self._packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        self._amx = _amx_packed(weight, bias)
+        if (
+            self._amx is None
+            and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+        ):
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             except RuntimeError:  # no oneDNN kernel for this dtype on this CPU
@@ -56,42 +64,79 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.max_few_rows:
             return self._matmul_few_rows(x)
+        if self._amx is not None and x.shape[0] > 0:
+            return self._matmul_amx(x)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def _matmul_few_rows(self, x: torch.Tensor) -> torch.Tensor:
         assert self._few_rows is not None  # max_few_rows is 0 without it
-        x = x.contiguous()
-        out = x.new_empty(x.shape[0], self.weight.shape[0])
-        failed = self._few_rows.matmul_few_rows(
-            x.data_ptr(),
-            self.weight.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(),
-            out.data_ptr(),
-            x.shape[0],
-            self.weight.shape[0],
-            self.weight.shape[1],
-        )
-        if failed:
-            raise RuntimeError(f"matmul_few_rows failed ({failed}) for {tuple(x.shape)}")
-        return out
+        return _call_kernel(self._few_rows.matmul_few_rows, x, self.weight, self.bias)
+
+    def _matmul_amx(self, x: torch.Tensor) -> torch.Tensor:
+        assert self._amx is not None
+        return _call_kernel(load().amx_matmul, x, self._amx, self.bias, self.weight.shape)
+
+
+def _call_kernel(
+    kernel: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    shape: torch.Size | None = None,  # the weight's [n, k] where `weight` is packed
+) -> torch.Tensor:
+    n, k = shape or weight.shape
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], n)
+    failed = kernel(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        n,
+        k,
+    )
+    if failed:
+        raise RuntimeError(f"{kernel.__name__} failed ({failed}) for {tuple(x.shape)}")
+    return out
+
+
+def _amx_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight in AMX's tiles (`csrc/amx_matmul.c`) where that kernel can run its matmuls
+    (on the CPU, bf16, both dimensions multiples of 32, a CPU with AMX that Linux lets us
+    use; `LLMFLEET_CPU_AMX=0` turns it off), else None."""
+    if os.environ.get("LLMFLEET_CPU_AMX", "1") == "0" or not _fits_kernels(weight, bias):
+        return None
+    if weight.shape[0] % 32:
+        return None
+    library = load()
+    if library is None or not library.amx_available():
+        return None
+    packed = host_memory.zeros((weight.numel(),), torch.bfloat16)
+    library.amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
+    return packed
 
 
 def _few_rows_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> ctypes.CDLL | None:
     """The C kernels where `csrc/few_rows.c` can run this weight's matmuls (on the CPU, bf16,
     rows a multiple of 32 long, a CPU with AVX512-BF16; `LLMFLEET_CPU_FEW_ROWS=0` turns it
     off), else None."""
-    if os.environ.get("LLMFLEET_CPU_FEW_ROWS", "1") == "0":
-        return None
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        return None
-    if not weight.is_contiguous() or weight.shape[1] % 32:
-        return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+    if os.environ.get("LLMFLEET_CPU_FEW_ROWS", "1") == "0" or not _fits_kernels(weight, bias):
         return None
     library = load()
     return library if library is not None and library.few_rows_available() > 0 else None
+
+
+def _fits_kernels(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the C matmuls take this weight: on the CPU, bf16, contiguous, rows a multiple
+    of 32 long, a bf16 bias or none."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    if not weight.is_contiguous() or weight.shape[1] % 32:
+        return False
+    return bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,192 @@
+/* `y = x @ w.T + bias` for a bf16 matmul of more than 8 rows in AMX tiles, on Intel CPUs with
+ * AMX-BF16: x [rows, k], w as `amx_pack` lays it out, bias [n] or NULL, y [rows, n]; fp32 sums
+ * over k in order, rounded to bf16 once, as torch's matmul does (bit for bit oneDNN's at up
+ * to 32 rows, the same instruction in the same order; past that oneDNN blocks k otherwise).
+ *
+ * At a decode step's rows (9-64 sequences) a matmul still reads each weight once and does
+ * little arithmetic with it, and AMX has arithmetic to spare: its time is the time to stream
+ * the weights. oneDNN's matmul at 16-32 rows streamed the default model's layers at 17-22
+ * GB/s on an Intel Xeon whose memory gives 29, where this kernel streams them at 27-30
+ * (docs/benchmarks.md, session 28). Each thread reads a contiguous run of the packed weights
+ * front to back, each line asked for ahead into L2, while x stays in L1/L2; a prompt's
+ * hundreds of rows re-read each block of 32 columns from L2 for every 32 rows, as fast as
+ * oneDNN there (384 rows: 63 against 69 ms for all the layers).
+ *
+ * The packed layout (`amx_pack`): w's n rows in blocks of 32 (two tiles of 16 output columns),
+ * each block's k in steps of 32, each step two B tiles of 1 KB: tile[r][2c + j] = w[16 * t + c]
+ * [32 * s + 2 * r + j] (AMX's pairs of k side by side). A thread's work is whole blocks; for
+ * each block and each 32 rows of x it keeps four C tiles (2 x 2 of 16 x 16 fp32) and, per
+ * step of k, loads two A tiles (x, straight from its rows) and two B tiles. n and k are
+ * multiples of 32 (checked by the caller). */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+/* Each line of the packed weights asked for this far ahead, into L2 (as `few_rows.c` does) */
+#define AMX_AHEAD 4096
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* 1 once Linux has let the process use AMX's tile state (asked on the first call), else 0. */
+int amx_available(void) {
+    static int permitted = -1;
+    if (permitted < 0)
+        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
+    int64_t at = 0;
+    for (int block = 0; block < n / 32; block++)
+        for (int step = 0; step < k / 32; step++)
+            for (int t = 0; t < 2; t++)
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++)
+                        for (int j = 0; j < 2; j++)
+                            packed[at++] = w[(int64_t)(32 * block + 16 * t + c) * k + 32 * step +
+                                             2 * r + j];
+}
+
+/* Tiles 0-3: C (rows of x 0-15 and 16-31 of a run of 32, times the block's two halves);
+ * 4-5: A (those rows' 32 values of k); 6-7: B. rows0 and rows1: the rows in each half. */
+static void configure(int rows0, int rows1) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = rows[t] ? rows[t] : 1;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* C tile `tile`'s rows into y's columns col .. col + 15, with the bias, rounded to bf16. */
+static inline void store_rows(int tile_rows, const float *c, const uint16_t *bias, int col,
+                              uint16_t *y, int64_t n) {
+    const f16v b = bias ? load_bf16(bias + col) : (f16v){0};
+    for (int r = 0; r < tile_rows; r++) {
+        u32v u;
+        f16v v = load_f32(c + 16 * r) + b;
+        memcpy(&u, &v, sizeof u);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const u16v h = __builtin_convertvector(u, u16v);
+        memcpy(y + r * n + col, &h, sizeof h);
+    }
+}
+
+/* One block of 32 output columns for rows row0 .. row0 + rows0 + rows1 - 1 of x. */
+static inline void block_rows(const uint16_t *x, const uint16_t *b, const uint16_t *bias,
+                              uint16_t *y, int block, int row0, int rows0, int rows1, int n,
+                              int k, int prefetch) {
+    const int64_t stride = (int64_t)k * 2;
+    const uint16_t *a0 = x + (int64_t)row0 * k, *a1 = a0 + 16 * (int64_t)k;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int step = 0; step < k / 32; step++, b += 1024) {
+        if (prefetch)
+            for (int line = 0; line < 2048; line += 64)
+                _mm_prefetch((const char *)b + AMX_AHEAD + line, _MM_HINT_T1);
+        _tile_loadd(4, a0 + 32 * step, stride);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows1) {
+            _tile_loadd(5, a1 + 32 * step, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[4][256] __attribute__((aligned(64)));
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    uint16_t *out = y + (int64_t)row0 * n;
+    store_rows(rows0, c[0], bias, 32 * block, out, n);
+    store_rows(rows0, c[1], bias, 32 * block + 16, out, n);
+    if (rows1) {
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        store_rows(rows1, c[2], bias, 32 * block, out + 16 * (int64_t)n, n);
+        store_rows(rows1, c[3], bias, 32 * block + 16, out + 16 * (int64_t)n, n);
+    }
+}
+
+static void blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                   int rows, int n, int k, int first, int last) {
+    const int tail = rows % 32 ? rows % 32 : 32; /* rows in the last run of 32 */
+    const int full_runs = (rows - tail) / 32;
+    int configured = -1; /* the run whose shape the tiles hold: full (0) or the tail (1) */
+    for (int block = first; block < last; block++) {
+        const uint16_t *b = packed + (int64_t)block * 32 * k;
+        for (int run = 0; run <= full_runs; run++) {
+            const int is_tail = run == full_runs;
+            const int run_rows = is_tail ? tail : 32;
+            const int rows0 = run_rows < 16 ? run_rows : 16;
+            if (configured != is_tail) {
+                configure(rows0, run_rows - rows0);
+                configured = is_tail;
+            }
+            block_rows(x, b, bias, y, block, 32 * run, rows0, run_rows - rows0, n, k, run == 0);
+        }
+    }
+}
+
+int amx_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+               int rows, int n, int k) {
+    if (rows < 1 || n % 32 || k % 32 || !amx_available()) return 1;
+    const int num_blocks = n / 32;
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+#else
+        const int threads = 1, thread = 0;
+#endif
+        const int first = (int)((int64_t)num_blocks * thread / threads);
+        const int last = (int)((int64_t)num_blocks * (thread + 1) / threads);
+        if (first < last) {
+            blocks(x, packed, bias, y, rows, n, k, first, last);
+            _tile_release();
+        }
+    }
+    return 0;
+}
+
+#else /* no AMX here: the callers keep oneDNN */
+
+int amx_available(void) { return 0; }
+
+void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
+    (void)w, (void)packed, (void)n, (void)k;
+}
+
+int amx_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+               int rows, int n, int k) {
+    (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)n, (void)k;
+    return 1;
+}
+
+#endif
