@@ -41,6 +41,7 @@ _SOURCES = (
     "few_rows.c",
     "amx_matmul.c",
     "decode_layers.c",
+    "argmax.c",
 )  # each includes "vec.h"
 _HEADERS = ("vec.h",)
 # Not -ffast-math: a shared library built with it (GCC before 13) sets the CPU's flush-to-zero
@@ -62,6 +63,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "amx_available": ((), _I),
     "amx_pack": ((_P, _P, _I, _I), None),
     "amx_matmul": ((*[_P] * 4, *[_I] * 3), _I),
+    "argmax_rows": ((_P, _P, _I, _I, _I), None),
 }
 
 

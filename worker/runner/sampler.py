@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from shared.protocol import SamplingParams
+from worker.runner import cpu_kernels
 from worker.runner.guard import check
 from worker.step_batch import SamplingFailure
 
@@ -33,8 +34,7 @@ def sample(
     generators: list[torch.Generator | None],
 ) -> list[int | SamplingFailure]:
     """One token id per row of `logits` ([batch, vocab]), or that row's `SamplingFailure`."""
-    logits = logits.float()
-    results: list[int | SamplingFailure] = logits.argmax(dim=-1).tolist()
+    results: list[int | SamplingFailure] = list(greedy_tokens(logits))
     rows = []
     for row, p in enumerate(params):
         if (problem := check(p)) is not None:
@@ -44,7 +44,7 @@ def sample(
     if not rows:
         return results
     temperatures = torch.tensor([params[r].temperature for r in rows], device=logits.device)
-    scaled = logits[rows] / temperatures[:, None]
+    scaled = logits[rows].float() / temperatures[:, None]
     is_usable = _is_usable(scaled)
     for i, row in enumerate(rows):
         if not is_usable[i]:
@@ -56,6 +56,20 @@ def sample(
         except (RuntimeError, ValueError) as exc:  # the last line: only this row fails
             results[row] = SamplingFailure(f"sampling failed: {type(exc).__name__}")
     return results
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, as `torch.argmax` gives it (the first largest; the first NaN where a
+    row has one). On the CPU in `csrc/argmax.c`: torch's CPU argmax reads a value at a time,
+    1.5 ms for 32 rows of a 49k vocabulary, 5-6% of a batch-32 step (session 28)."""
+    library = cpu_kernels.load() if logits.device.type == "cpu" else None
+    is_bf16 = logits.dtype == torch.bfloat16
+    if library is None or not (is_bf16 or logits.dtype == torch.float32) or logits.dim() != 2:
+        return logits.float().argmax(dim=-1).tolist()
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    library.argmax_rows(logits.data_ptr(), out.data_ptr(), *logits.shape, int(is_bf16))
+    return out.tolist()
 
 
 def _is_usable(scaled: torch.Tensor) -> list[bool]:
