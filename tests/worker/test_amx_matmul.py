@@ -26,7 +26,7 @@ def test_amx_matmuls_are_torchs(rows, n, k, with_bias):
     bias = torch.randn(n, generator=generator).to(torch.bfloat16) if with_bias else None
     x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
     linear = llama._Linear(weight, bias)
-    assert linear._amx is not None and linear._packed is None
+    assert linear.amx_weight is not None and linear._packed is None
     got, expected = linear(x), F.linear(x, weight, bias)
     if rows <= 32:  # the same tile products in the same order as oneDNN's
         assert torch.equal(got, expected)
@@ -41,7 +41,7 @@ def test_weights_the_kernel_cannot_take_keep_torchs_matmul(monkeypatch):
     x = torch.randn(20, 64).to(torch.bfloat16)
     for weight in (torch.randn(48, 64).to(torch.bfloat16), torch.randn(64, 64)):  # n % 32, fp32
         linear = llama._Linear(weight)
-        assert linear._amx is None
+        assert linear.amx_weight is None
         assert torch.equal(linear(x.to(weight.dtype)), F.linear(x.to(weight.dtype), weight))
     monkeypatch.setenv("LLMFLEET_CPU_AMX", "0")
-    assert llama._Linear(torch.randn(64, 64).to(torch.bfloat16))._amx is None
+    assert llama._Linear(torch.randn(64, 64).to(torch.bfloat16)).amx_weight is None

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tests import tiny_model
 from tests.factories import serve_together
-from worker.runner import cpu_kernels, llama
+from worker.runner import cpu_decode, cpu_kernels, llama
 from worker.runner.cpu_decode import DecodeLayers
 from worker.runner.model_runner import ModelRunner
 
@@ -33,7 +33,8 @@ def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):
     x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
     linear = llama._Linear(weight, bias)
     assert linear.max_few_rows == 8
-    got, expected = linear(x), F.linear(x, weight, bias)
+    # the kernel itself: on a CPU with AMX the linear would take AMX's (test_amx_matmul.py)
+    got, expected = linear._matmul_few_rows(x), F.linear(x, weight, bias)
     # fp32 sums in another order: equal but in a few elements, which differ by a bf16
     # rounding step or, where the terms cancel, by fp32 rounding of the terms' magnitude
     assert (got != expected).float().mean().item() <= 0.01
@@ -51,7 +52,9 @@ def test_more_rows_and_other_weights_take_torchs_matmul():
     assert torch.equal(llama._Linear(weight)(x), F.linear(x, weight))
 
 
-def _serve(loaded, prompts: list[list[int]], decode_layers: bool, num_blocks: int):
+def _serve(
+    loaded, prompts: list[list[int]], decode_layers: bool, num_blocks: int, max_num_seqs: int = 8
+):
     """Each decode step's logits, every request's tokens and the preemptions, served
     together."""
     runner = ModelRunner(loaded, num_blocks, 4, "own")
@@ -70,7 +73,7 @@ def _serve(loaded, prompts: list[list[int]], decode_layers: bool, num_blocks: in
         return logits
 
     runner._forward = recording  # the runner calls it as a function
-    tokens, num_preemptions = serve_together(runner, prompts, num_blocks, max_num_seqs=8)
+    tokens, num_preemptions = serve_together(runner, prompts, num_blocks, max_num_seqs=max_num_seqs)
     return decode_logits, tokens, num_preemptions
 
 
@@ -95,11 +98,28 @@ def test_the_decode_layers_are_the_fused_forward_bit_for_bit():
     assert rows_seen >= {1, 3, 4, 6}
 
 
+@pytest.mark.skipif(
+    _library is None or not _library.amx_available(), reason="AMX's matmuls need a CPU with AMX"
+)
+def test_with_amx_the_decode_layers_take_any_number_of_rows_bit_for_bit():
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    prompts = [[1000 + i, 2000 + 3 * i] for i in range(20)]  # short: all twenty decode at once
+    logits_in_c, tokens_in_c, _ = _serve(loaded, prompts, True, 400, max_num_seqs=20)
+    logits, tokens, _ = _serve(loaded, prompts, False, 400, max_num_seqs=20)
+    assert tokens_in_c == tokens
+    for got, expected in zip(logits_in_c, logits, strict=True):
+        assert torch.equal(got, expected)
+    assert max(step.shape[0] for step in logits_in_c) == 16  # the test engine's 16-token budget
+
+
 def test_decode_layers_are_built_only_where_they_can_run(monkeypatch):
     loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
     loaded.model.to(torch.bfloat16)
     decode_layers = llama.LlamaForward(loaded.model).decode_layers
-    assert decode_layers is not None and decode_layers.max_rows == 8
+    # any number of rows with AMX's matmuls, else the few-row kernel's 8
+    expected_rows = cpu_decode.MAX_ROWS_AMX if _library.amx_available() else 8
+    assert decode_layers is not None and decode_layers.max_rows == expected_rows
     monkeypatch.setenv("LLMFLEET_CPU_DECODE_LAYERS", "0")
     assert llama.LlamaForward(loaded.model).decode_layers is None
     monkeypatch.delenv("LLMFLEET_CPU_DECODE_LAYERS")

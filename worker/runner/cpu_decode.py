@@ -1,4 +1,5 @@
-"""A decode step of a few sequences (1-8) through every decoder layer in one C call.
+"""A decode step of a few sequences (1-8; on a CPU with AMX, any number) through every decoder
+layer in one C call.
 
 At one sequence a layer of the default model streams its 7 MB of weights in about a quarter
 of a millisecond, and the Python between the kernels (the forward's glue, each kernel's
@@ -7,9 +8,14 @@ again. `csrc/decode_layers.c` calls the same kernels in the same order as `llama
 fused forward, so its results are that forward's bit for bit
 (tests/worker/test_cpu_decode.py); the weights' addresses are gathered once, here.
 
+On a CPU with AMX the matmuls take AMX's tiles (`csrc/amx_matmul.c`) at any number of rows,
+so every decode-only step goes through here: at 32 sequences the Python between the kernels
+was ~270 calls a step.
+
 `DecodeLayers.for_forward` is None where it cannot run: off the CPU, for dtypes other than
-bf16, without the fused layer ops or the few-row matmuls (a CPU without AVX512-BF16), for
-attention shapes the decode kernel does not take, or with `LLMFLEET_CPU_DECODE_LAYERS=0`.
+bf16, without the fused layer ops or the few-row or AMX matmuls (a CPU without
+AVX512-BF16), for attention shapes the decode kernel does not take, or with
+`LLMFLEET_CPU_DECODE_LAYERS=0`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from worker.runner.cpu_kernels import load
 from worker.runner.paged_attention import DecodeGroup
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
+# With AMX's matmuls a step of any number of decodes runs here: no engine runs more at once.
+MAX_ROWS_AMX = 4096
 
 
 class _LayerWeights(ctypes.Structure):
@@ -40,29 +48,33 @@ class _Group(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_LayerWeights)), *[(name, _I) for name in (
         "num_layers", "hidden", "inter", "heads", "kv_heads", "dim", "num_blocks", "block_size"
-    )], ("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
+    )], ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("amx", _I)]  # fmt: skip
 
 
 class DecodeLayers:
     """`run(hidden, x, ...)`: every layer of a decode step of at most `max_rows` sequences."""
 
-    def __init__(self, library: ctypes.CDLL, forward: Any, max_rows: int) -> None:
+    def __init__(self, library: ctypes.CDLL, forward: Any, max_rows: int, amx: bool) -> None:
         self._library = library
         self.max_rows = max_rows
         self._weights = (_LayerWeights * len(forward.layers))()
+
+        def matrix(linear: Any) -> int:  # the weight as the C matmul reads it
+            return (linear.amx_weight if amx else linear.weight).data_ptr()
+
         for entry, layer in zip(self._weights, forward.layers, strict=True):
             entry.input_norm = layer.input_norm.data_ptr()
-            entry.qkv = layer.qkv.weight.data_ptr()
+            entry.qkv = matrix(layer.qkv)
             entry.qkv_bias = None if layer.qkv.bias is None else layer.qkv.bias.data_ptr()
-            entry.o = layer.o.weight.data_ptr()
+            entry.o = matrix(layer.o)
             entry.post_norm = layer.post_norm.data_ptr()
-            entry.gate_up = layer.gate_up.weight.data_ptr()
-            entry.down = layer.down.weight.data_ptr()
+            entry.gate_up = matrix(layer.gate_up)
+            entry.down = matrix(layer.down)
         hidden, inter = forward.embed.shape[1], forward.layers[0].down.weight.shape[1]
         # num_blocks and block_size are each step's pool's, set by `run`
         self._model = _Model(
             self._weights, len(forward.layers), hidden, inter, forward.num_heads,
-            forward.num_kv_heads, forward.head_dim, 0, 0, forward.eps, forward.scaling,
+            forward.num_kv_heads, forward.head_dim, 0, 0, forward.eps, forward.scaling, int(amx),
         )  # fmt: skip
         width = (3 * forward.num_heads + 2 * forward.num_kv_heads) * forward.head_dim
         self._scratch_per_row = width + hidden + 3 * inter
@@ -80,7 +92,8 @@ class DecodeLayers:
         linears = [forward.lm_head] + [
             linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]  # fmt: skip
-        max_rows = min(linear.max_few_rows for linear in linears)
+        amx = all(linear.amx_weight is not None for linear in linears)
+        max_rows = MAX_ROWS_AMX if amx else min(linear.max_few_rows for linear in linears)
         if max_rows < 1 or any(layer.o.bias is not None for layer in forward.layers):
             return None
         group = forward.num_heads // forward.num_kv_heads  # the attention kernel's shapes
@@ -89,7 +102,7 @@ class DecodeLayers:
             or forward.head_dim > cpu_attention.MAX_HEAD_DIM
         ):
             return None
-        return cls(library, forward, max_rows)
+        return cls(library, forward, max_rows, amx)
 
     def run(
         self,

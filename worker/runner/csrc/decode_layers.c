@@ -1,11 +1,13 @@
-/* Every decoder layer of a decode step of a few sequences (1-8) in one call: what
- * `llama.py`'s fused forward does layer by layer from Python, here with no Python between
- * the kernels. At one sequence a layer's weights stream in about a quarter of a millisecond,
- * and the forward's Python glue, the kernels' argument conversion and each torch op's
- * dispatch added close to half of that again (docs/benchmarks.md, "Few-row matmuls").
+/* Every decoder layer of a decode step of a few sequences (1-8; on a CPU with AMX, any number)
+ * in one call: what `llama.py`'s fused forward does layer by layer from Python, here with no
+ * Python between the kernels. At one sequence a layer's weights stream in about a quarter of
+ * a millisecond, and the forward's Python glue, the kernels' argument conversion and each
+ * torch op's dispatch added close to half of that again (docs/benchmarks.md, "Few-row
+ * matmuls").
  *
  * The kernels are this library's own, called in the order `_fused_forward` calls them, so
- * the results are that forward's bit for bit: the matmuls (`few_rows.c`), RoPE and the pool
+ * the results are that forward's bit for bit: the matmuls (`few_rows.c`, or `amx_matmul.c`
+ * over weights packed for AMX where `Model.amx` is set), RoPE and the pool
  * writes, the residual adds and norms, SiLU (`layer_ops.c`), and the attention over the
  * paged pool (`paged_attention.c`), one call per group of decodes. bf16 only. */
 #include <stdint.h>
@@ -16,6 +18,8 @@
 /* The other sources' entry points (one library). */
 int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                     int rows, int n, int k);
+int amx_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+               int rows, int n, int k);
 int paged_decode(const void *q, const void *k_pool, const void *v_pool, const int32_t *tables,
                  const int32_t *lengths, void *out, int rows, int heads, int kv_heads,
                  int num_blocks, int block_size, int dim, int max_blocks, int is_bf16,
@@ -27,7 +31,8 @@ void rope_write(void *qkv, const void *cos, const void *sin, void *k_pool, void 
                 const int64_t *slots, int tokens, int heads, int kv_heads, int dim,
                 int num_slots, int is_bf16);
 
-typedef struct { /* one layer's weights, bf16, as `llama.py`'s _Layer holds them */
+typedef struct { /* one layer's weights, bf16, as `llama.py`'s _Layer holds them (the
+                  * matmuls' packed for AMX where `Model.amx` is set) */
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
 } LayerWeights;
 
@@ -40,7 +45,13 @@ typedef struct {
     const LayerWeights *layers;
     int num_layers, hidden, inter, heads, kv_heads, dim, num_blocks, block_size;
     float eps, scale;
+    int amx; /* the layers' matmul weights are `amx_pack`'s: amx_matmul takes them */
 } Model;
+
+static inline int matmul(const Model *m, const uint16_t *x, const uint16_t *w,
+                         const uint16_t *bias, uint16_t *y, int rows, int n, int k) {
+    return m->amx ? amx_matmul(x, w, bias, y, rows, n, k) : matmul_few_rows(x, w, bias, y, rows, n, k);
+}
 
 /* hidden [rows, hidden]: the embedded tokens in, the last layer's residual stream out.
  * x: the first layer's input norm of it. scratch: rows * ((3 * heads + 2 * kv_heads) * dim +
@@ -58,7 +69,7 @@ int decode_layers(const Model *m, uint16_t *hidden, uint16_t *x, const uint16_t 
     for (int i = 0; i < m->num_layers; i++) {
         const LayerWeights *l = &m->layers[i];
         uint16_t *k_layer = k_pool + i * layer_pool, *v_layer = v_pool + i * layer_pool;
-        if ((status = matmul_few_rows(x, l->qkv, l->qkv_bias, qkv, rows, qkv_width, hd))) return status;
+        if ((status = matmul(m, x, l->qkv, l->qkv_bias, qkv, rows, qkv_width, hd))) return status;
         rope_write(qkv, cos, sin, k_layer, v_layer, slots, rows, m->heads, m->kv_heads, m->dim,
                    m->num_blocks * m->block_size, 1);
         for (int r = 0; r < rows; r++) /* the queries, out of the fused projection's rows */
@@ -72,11 +83,11 @@ int decode_layers(const Model *m, uint16_t *hidden, uint16_t *x, const uint16_t 
                                        1, m->scale)))
                 return status;
         }
-        if ((status = matmul_few_rows(attn, l->o, NULL, delta, rows, hd, q_width))) return status;
+        if ((status = matmul(m, attn, l->o, NULL, delta, rows, hd, q_width))) return status;
         add_rms_norm(hidden, delta, l->post_norm, x, rows, hd, m->eps, 1);
-        if ((status = matmul_few_rows(x, l->gate_up, NULL, gate_up, rows, 2 * m->inter, hd))) return status;
+        if ((status = matmul(m, x, l->gate_up, NULL, gate_up, rows, 2 * m->inter, hd))) return status;
         silu_mul(gate_up, act, rows, m->inter, 1);
-        if ((status = matmul_few_rows(act, l->down, NULL, delta, rows, hd, m->inter))) return status;
+        if ((status = matmul(m, act, l->down, NULL, delta, rows, hd, m->inter))) return status;
         if (i + 1 < m->num_layers) {
             add_rms_norm(hidden, delta, m->layers[i + 1].input_norm, x, rows, hd, m->eps, 1);
         } else {
