@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import tiny_model
 from worker.runner import cpu_kernels, llama
 
 _library = cpu_kernels.load()
@@ -45,3 +46,15 @@ def test_weights_the_kernel_cannot_take_keep_torchs_matmul(monkeypatch):
         assert torch.equal(linear(x.to(weight.dtype)), F.linear(x.to(weight.dtype), weight))
     monkeypatch.setenv("LLMFLEET_CPU_AMX", "0")
     assert llama._Linear(torch.randn(64, 64).to(torch.bfloat16)).amx_weight is None
+
+
+def test_a_forwards_packed_weights_lie_in_one_tensor_in_decode_order():
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    forward = llama.LlamaForward(loaded.model)
+    linears = [
+        linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ] + [forward.lm_head]  # fmt: skip
+    starts = [linear.amx_weight.data_ptr() for linear in linears]
+    assert len({linear.amx_weight.untyped_storage().data_ptr() for linear in linears}) == 1
+    assert starts == sorted(starts)  # a decode step streams one run of memory front to back

@@ -115,9 +115,25 @@ def _amx_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
     library = load()
     if library is None or not library.amx_available():
         return None
-    packed = host_memory.zeros((weight.numel(),), torch.bfloat16)
+    packed = torch.empty(weight.numel(), dtype=torch.bfloat16)  # `_amx_into_one_tensor`'s
     library.amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
     return packed
+
+
+def _amx_into_one_tensor(linears: list[_Linear]) -> None:
+    """The linears' AMX-packed weights copied into one tensor in huge pages, in this order,
+    each becoming a view of it (as `_into_one_tensor` does for the weights themselves)."""
+    packed = [linear.amx_weight for linear in linears if linear.amx_weight is not None]
+    if not packed:
+        return
+    arena = host_memory.zeros((sum(p.numel() for p in packed),), torch.bfloat16)
+    start = 0
+    for linear in linears:
+        if linear.amx_weight is not None:
+            view = arena[start : start + linear.amx_weight.numel()]
+            view.copy_(linear.amx_weight)
+            linear.amx_weight = view
+            start += view.numel()
 
 
 def _few_rows_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> ctypes.CDLL | None:
@@ -170,6 +186,10 @@ class LlamaForward:
         self.lm_head = _Linear(model.lm_head.weight.detach())
         self.rotary = decoder.rotary_emb  # HF's, so every RoPE scaling type is as HF has it
         self.layers = [_fuse(layer) for layer in decoder.layers]
+        linears = [self.lm_head] + [
+            linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]  # fmt: skip
+        _amx_into_one_tensor(linears[1:] + linears[:1])  # as a decode step reads them
         # On the CPU, the layers' element-wise work in four C calls a layer (cpu_layer_ops.py)
         self.ops = LayerOps.for_model(
             self.embed.device,
