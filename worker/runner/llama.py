@@ -76,8 +76,9 @@ class _Linear:
         return _call_kernel(self._few_rows.matmul_few_rows, x, self.weight, self.bias)
 
     def _matmul_amx(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.amx_weight is not None
-        return _call_kernel(load().amx_matmul, x, self.amx_weight, self.bias, self.weight.shape)
+        library = load()
+        assert self.amx_weight is not None and library is not None  # packed by the library
+        return _call_kernel(library.amx_matmul, x, self.amx_weight, self.bias, self.weight.shape)
 
 
 def _call_kernel(
