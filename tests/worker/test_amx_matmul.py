@@ -1,6 +1,6 @@
-"""Matmuls of more than 8 rows in AMX tiles (`csrc/amx_matmul.c`, through `llama._Linear`) on
-a CPU with AMX: torch's results, bit for bit up to 32 rows, within a rounding step past that,
-and torch's own matmul wherever the kernel cannot take the weight."""
+"""Matmuls in AMX tiles (`csrc/amx_matmul.c`, through `llama._Linear`) on a CPU with AMX:
+torch's results, bit for bit up to 32 rows, within a rounding step past that, and torch's own
+matmul wherever the kernel cannot take the weight."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from tests import tiny_model
-from worker.runner import cpu_kernels, llama
+from worker.runner import llama
 
-_library = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
-    _library is None or not _library.amx_available(),
+    not llama.amx_matmuls_available(),
     reason="the AMX matmul needs a C compiler and a CPU with AMX",
 )
 

@@ -98,9 +98,7 @@ def test_the_decode_layers_are_the_fused_forward_bit_for_bit():
     assert rows_seen >= {1, 3, 4, 6}
 
 
-@pytest.mark.skipif(
-    _library is None or not _library.amx_available(), reason="AMX's matmuls need a CPU with AMX"
-)
+@pytest.mark.skipif(not llama.amx_matmuls_available(), reason="AMX's matmuls need a CPU with AMX")
 def test_with_amx_the_decode_layers_take_any_number_of_rows_bit_for_bit():
     loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
     loaded.model.to(torch.bfloat16)
@@ -118,7 +116,7 @@ def test_decode_layers_are_built_only_where_they_can_run(monkeypatch):
     loaded.model.to(torch.bfloat16)
     decode_layers = llama.LlamaForward(loaded.model).decode_layers
     # any number of rows with AMX's matmuls, else the few-row kernel's 8
-    expected_rows = cpu_decode.MAX_ROWS_AMX if _library.amx_available() else 8
+    expected_rows = cpu_decode.MAX_ROWS_AMX if llama.amx_matmuls_available() else 8
     assert decode_layers is not None and decode_layers.max_rows == expected_rows
     monkeypatch.setenv("LLMFLEET_CPU_DECODE_LAYERS", "0")
     assert llama.LlamaForward(loaded.model).decode_layers is None

@@ -105,17 +105,22 @@ def _call_kernel(
     return out
 
 
+def amx_matmuls_available() -> bool:
+    """Whether bf16 matmuls take `csrc/amx_matmul.c` here: a CPU with AMX that Linux lets us
+    use, the kernels built, and `LLMFLEET_CPU_AMX` not `0`."""
+    if os.environ.get("LLMFLEET_CPU_AMX", "1") == "0":
+        return False
+    library = load()
+    return library is not None and bool(library.amx_available())
+
+
 def _amx_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The weight in AMX's tiles (`csrc/amx_matmul.c`) where that kernel can run its matmuls
-    (on the CPU, bf16, both dimensions multiples of 32, a CPU with AMX that Linux lets us
-    use; `LLMFLEET_CPU_AMX=0` turns it off), else None."""
-    if os.environ.get("LLMFLEET_CPU_AMX", "1") == "0" or not _fits_kernels(weight, bias):
-        return None
-    if weight.shape[0] % 32:
+    (`amx_matmuls_available`; on the CPU, bf16, both dimensions multiples of 32), else None."""
+    if not _fits_kernels(weight, bias) or weight.shape[0] % 32 or not amx_matmuls_available():
         return None
     library = load()
-    if library is None or not library.amx_available():
-        return None
+    assert library is not None
     packed = torch.empty(weight.numel(), dtype=torch.bfloat16)  # `_amx_into_one_tensor`'s
     library.amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
     return packed
