@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tests import tiny_model
 from tests.factories import serve_together
+from tests.reference import assert_within_rounding_of_torch, bf16_matmul_case
 from worker.runner import cpu_decode, cpu_kernels, llama
 from worker.runner.cpu_decode import DecodeLayers
 from worker.runner.model_runner import ModelRunner
@@ -27,20 +28,11 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (37, 96), (1000, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):
-    generator = torch.Generator().manual_seed(rows * 1000 + n)
-    weight = torch.randn(n, k, generator=generator).to(torch.bfloat16)
-    bias = torch.randn(n, generator=generator).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+    x, weight, bias = bf16_matmul_case(rows, n, k, with_bias)
     linear = llama._Linear(weight, bias)
     assert linear.max_few_rows == 8
     # the kernel itself: on a CPU with AMX the linear would take AMX's (test_amx_matmul.py)
-    got, expected = linear._matmul_few_rows(x), F.linear(x, weight, bias)
-    # fp32 sums in another order: equal but in a few elements, which differ by a bf16
-    # rounding step or, where the terms cancel, by fp32 rounding of the terms' magnitude
-    assert (got != expected).float().mean().item() <= 0.01
-    magnitude = x.float().abs() @ weight.float().abs().T
-    bound = expected.float().abs() * 2**-7 + magnitude * 2**-14
-    assert ((got.float() - expected.float()).abs() <= bound).all()
+    assert_within_rounding_of_torch(linear._matmul_few_rows(x), x, weight, bias)
 
 
 def test_more_rows_and_other_weights_take_torchs_matmul():

@@ -10,15 +10,17 @@
 
 #include "vec.h"
 
+static inline float value_at(const void *row, int j, int is_bf16) {
+    if (!is_bf16) return ((const float *)row)[j];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[j] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 static int64_t first_nan(const void *row, int cols, int is_bf16) {
     for (int j = 0; j < cols; j++) {
-        float v;
-        if (is_bf16) {
-            const uint32_t bits = (uint32_t)((const uint16_t *)row)[j] << 16;
-            memcpy(&v, &bits, sizeof v);
-        } else {
-            v = ((const float *)row)[j];
-        }
+        const float v = value_at(row, j, is_bf16);
         if (v != v) return j;
     }
     return -1;
@@ -50,13 +52,7 @@ static int64_t argmax_row(const void *row, int cols, int is_bf16) {
         }
     }
     for (int j = vector_cols; j < cols; j++) {
-        float v;
-        if (is_bf16) {
-            const uint32_t bits = (uint32_t)((const uint16_t *)row)[j] << 16;
-            memcpy(&v, &bits, sizeof v);
-        } else {
-            v = ((const float *)row)[j];
-        }
+        const float v = value_at(row, j, is_bf16);
         has_nan |= v != v;
         if (v > best) {
             best = v;
