@@ -40,7 +40,9 @@ def test_more_rows_and_other_weights_take_torchs_matmul():
     assert llama._Linear(weight).max_few_rows == 8
     assert llama._Linear(weight.float()).max_few_rows == 0  # bf16 only
     assert llama._Linear(torch.randn(64, 48).to(torch.bfloat16)).max_few_rows == 0  # k % 32
-    x = torch.randn(9, 64).to(torch.bfloat16)  # nine rows: torch's matmul, exactly
+    # nine rows: torch's matmul, or a tiled kernel (test_amx_matmul.py, test_pair_matmul.py),
+    # bit for bit
+    x = torch.randn(9, 64).to(torch.bfloat16)
     assert torch.equal(llama._Linear(weight)(x), F.linear(x, weight))
 
 
@@ -90,10 +92,20 @@ def test_the_decode_layers_are_the_fused_forward_bit_for_bit():
     assert rows_seen >= {1, 3, 4, 6}
 
 
-@pytest.mark.skipif(not llama.amx_matmuls_available(), reason="AMX's matmuls need a CPU with AMX")
-def test_with_amx_the_decode_layers_take_any_number_of_rows_bit_for_bit():
+@pytest.mark.skipif(
+    not llama.amx_matmuls_available() and not llama.pair_matmuls_available(),
+    reason="the tiled matmuls need a CPU with AMX or AVX512-BF16",
+)
+def test_with_tiled_matmuls_the_decode_layers_take_any_number_of_rows_bit_for_bit(monkeypatch):
     loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
     loaded.model.to(torch.bfloat16)
+    if not llama.amx_matmuls_available():  # past 8 rows the decode layers take the pair kernel
+        call = llama._Linear.__call__
+        monkeypatch.setattr(
+            llama._Linear,
+            "__call__",
+            lambda linear, x: linear.matmul_pairs(x) if len(x) > 8 else call(linear, x),
+        )
     prompts = [[1000 + i, 2000 + 3 * i] for i in range(20)]  # short: all twenty decode at once
     logits_in_c, tokens_in_c, _ = _serve(loaded, prompts, True, 400, max_num_seqs=20)
     logits, tokens, _ = _serve(loaded, prompts, False, 400, max_num_seqs=20)
@@ -107,8 +119,9 @@ def test_decode_layers_are_built_only_where_they_can_run(monkeypatch):
     loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
     loaded.model.to(torch.bfloat16)
     decode_layers = llama.LlamaForward(loaded.model).decode_layers
-    # any number of rows with AMX's matmuls, else the few-row kernel's 8
-    expected_rows = cpu_decode.MAX_ROWS_AMX if llama.amx_matmuls_available() else 8
+    # any number of rows with the tiled matmuls, else the few-row kernel's 8
+    tiled = llama.amx_matmuls_available() or llama.pair_matmuls_available()
+    expected_rows = cpu_decode.MAX_ROWS_TILED if tiled else 8
     assert decode_layers is not None and decode_layers.max_rows == expected_rows
     monkeypatch.setenv("LLMFLEET_CPU_DECODE_LAYERS", "0")
     assert llama.LlamaForward(loaded.model).decode_layers is None

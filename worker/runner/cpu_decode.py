@@ -1,5 +1,5 @@
-"""A decode step of a few sequences (1-8; on a CPU with AMX, any number) through every decoder
-layer in one C call.
+"""A decode step of a few sequences (1-8; where the tiled matmuls run, any number) through every
+decoder layer in one C call.
 
 At one sequence a layer of the default model streams its 7 MB of weights in about a quarter
 of a millisecond, and the Python between the kernels (the forward's glue, each kernel's
@@ -8,12 +8,14 @@ again. `csrc/decode_layers.c` calls the same kernels in the same order as `llama
 fused forward, so its results are that forward's bit for bit
 (tests/worker/test_cpu_decode.py); the weights' addresses are gathered once, here.
 
-On a CPU with AMX the matmuls take AMX's tiles (`csrc/amx_matmul.c`) at any number of rows,
-so every decode-only step goes through here: at 32 sequences the Python between the kernels
-was ~270 calls a step.
+Where the weights are also packed in AMX's tile layout (`llama._Linear.tiled_weight`), the
+matmuls of any number of rows have a kernel (`csrc/amx_matmul.c` on a CPU with AMX; past the
+few-row kernel's 8 rows `csrc/pair_matmul.c` on one with AVX512-BF16 but no AMX), so every
+decode-only step goes through here: at 32 sequences the Python between the kernels was ~270
+calls a step.
 
 `DecodeLayers.for_forward` is None where it cannot run: off the CPU, for dtypes other than
-bf16, without the fused layer ops or the few-row or AMX matmuls (a CPU without
+bf16, without the fused layer ops or the few-row or tiled matmuls (a CPU without
 AVX512-BF16), for attention shapes the decode kernel does not take, or with
 `LLMFLEET_CPU_DECODE_LAYERS=0`.
 """
@@ -27,17 +29,24 @@ from typing import Any
 import torch
 
 from worker.runner import cpu_attention
-from worker.runner.cpu_kernels import load
+from worker.runner.cpu_kernels import amx_matmuls_available, load
 from worker.runner.paged_attention import DecodeGroup
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-# With AMX's matmuls a step of any number of decodes runs here: no engine runs more at once.
-MAX_ROWS_AMX = 4096
+# With the tiled matmuls a step of any number of decodes runs here: no engine runs more at once.
+MAX_ROWS_TILED = 4096
+_TILED_AMX, _TILED_PAIRS = 1, 2  # decode_layers.c's Model.tiled
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("plain", _P), ("tiled", _P)]
 
 
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm",
-                                         "gate_up", "down")]  # fmt: skip
+    _fields_ = [
+        *[(name, _P) for name in ("input_norm", "qkv_bias", "post_norm")],
+        *[(name, _Weight) for name in ("qkv", "o", "gate_up", "down")],
+    ]
 
 
 class _Group(ctypes.Structure):
@@ -48,19 +57,22 @@ class _Group(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_LayerWeights)), *[(name, _I) for name in (
         "num_layers", "hidden", "inter", "heads", "kv_heads", "dim", "num_blocks", "block_size"
-    )], ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("amx", _I)]  # fmt: skip
+    )], ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("tiled", _I),
+        ("tiled_from", _I)]  # fmt: skip
 
 
 class DecodeLayers:
     """`run(hidden, x, ...)`: every layer of a decode step of at most `max_rows` sequences."""
 
-    def __init__(self, library: ctypes.CDLL, forward: Any, max_rows: int, amx: bool) -> None:
+    def __init__(self, library: ctypes.CDLL, forward: Any, max_rows: int, tiled: int) -> None:
         self._library = library
         self.max_rows = max_rows
+        self._lm_head = forward.lm_head
         self._weights = (_LayerWeights * len(forward.layers))()
 
-        def matrix(linear: Any) -> int:  # the weight as the C matmul reads it
-            return (linear.amx_weight if amx else linear.weight).data_ptr()
+        def matrix(linear: Any) -> _Weight:  # the weight as the C matmuls read it
+            packed = linear.tiled_weight if tiled else None
+            return _Weight(linear.weight.data_ptr(), None if packed is None else packed.data_ptr())
 
         for entry, layer in zip(self._weights, forward.layers, strict=True):
             entry.input_norm = layer.input_norm.data_ptr()
@@ -74,10 +86,18 @@ class DecodeLayers:
         # num_blocks and block_size are each step's pool's, set by `run`
         self._model = _Model(
             self._weights, len(forward.layers), hidden, inter, forward.num_heads,
-            forward.num_kv_heads, forward.head_dim, 0, 0, forward.eps, forward.scaling, int(amx),
+            forward.num_kv_heads, forward.head_dim, 0, 0, forward.eps, forward.scaling, tiled,
+            1 if tiled == _TILED_AMX else forward.lm_head.max_few_rows + 1,
         )  # fmt: skip
         width = (3 * forward.num_heads + 2 * forward.num_kv_heads) * forward.head_dim
         self._scratch_per_row = width + hidden + 3 * inter
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head of the step's decodes, with the layers' choice of matmul."""
+        model = self._model
+        if model.tiled == _TILED_PAIRS and len(x) >= model.tiled_from:
+            return self._lm_head.matmul_pairs(x)
+        return self._lm_head(x)
 
     @classmethod
     def for_forward(cls, forward: Any) -> DecodeLayers | None:
@@ -92,8 +112,10 @@ class DecodeLayers:
         linears = [forward.lm_head] + [
             linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]  # fmt: skip
-        amx = all(linear.amx_weight is not None for linear in linears)
-        max_rows = MAX_ROWS_AMX if amx else min(linear.max_few_rows for linear in linears)
+        tiled = 0
+        if all(linear.tiled_weight is not None for linear in linears):
+            tiled = _TILED_AMX if amx_matmuls_available() else _TILED_PAIRS
+        max_rows = MAX_ROWS_TILED if tiled else min(linear.max_few_rows for linear in linears)
         if max_rows < 1 or any(layer.o.bias is not None for layer in forward.layers):
             return None
         group = forward.num_heads // forward.num_kv_heads  # the attention kernel's shapes
@@ -102,7 +124,7 @@ class DecodeLayers:
             or forward.head_dim > cpu_attention.MAX_HEAD_DIM
         ):
             return None
-        return cls(library, forward, max_rows, amx)
+        return cls(library, forward, max_rows, tiled)
 
     def run(
         self,

@@ -2,7 +2,9 @@
 
 The sources are in `csrc/` (`paged_attention.c`: attention over the paged KV cache,
 `cpu_attention.py`; `layer_ops.c`: a decoder layer's fused element-wise ops,
-`cpu_layer_ops.py`; `few_rows.c`: bf16 matmuls of a few rows, `llama.py`'s `_Linear`;
+`cpu_layer_ops.py`; `few_rows.c`: bf16 matmuls of a few rows, `amx_matmul.c` and
+`pair_matmul.c`: bf16 matmuls over weights packed in AMX's tile layout, with AMX's tiles or
+AVX512-BF16's dot products, `llama.py`'s `_Linear`;
 `decode_layers.c`: every layer of a decode step of a few sequences, `cpu_decode.py`;
 `vec.h`: the vector type and helpers they use). The system's C compiler builds them into one library in a cache
 directory (`LLMFLEET_KERNEL_CACHE`, else `~/.cache/llmfleet/kernels`; the file is named by a
@@ -40,6 +42,7 @@ _SOURCES = (
     "layer_ops.c",
     "few_rows.c",
     "amx_matmul.c",
+    "pair_matmul.c",
     "decode_layers.c",
     "argmax.c",
 )  # each includes "vec.h"
@@ -63,6 +66,8 @@ _SIGNATURES = {  # name: (argument types, result type)
     "amx_available": ((), _I),
     "amx_pack": ((_P, _P, _I, _I), None),
     "amx_matmul": ((*[_P] * 4, *[_I] * 3), _I),
+    "pair_matmul_available": ((), _I),
+    "pair_matmul": ((*[_P] * 4, *[_I] * 3), _I),
     "argmax_rows": ((_P, _P, _I, _I, _I), None),
 }
 
@@ -116,3 +121,22 @@ def load() -> ctypes.CDLL | None:
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
     return library
+
+
+def amx_matmuls_available() -> bool:
+    """Whether bf16 matmuls take `csrc/amx_matmul.c` here: a CPU with AMX that Linux lets us
+    use, the kernels built, and `LLMFLEET_CPU_AMX` not `0`."""
+    if os.environ.get("LLMFLEET_CPU_AMX", "1") == "0":
+        return False
+    library = load()
+    return library is not None and bool(library.amx_available())
+
+
+def pair_matmuls_available() -> bool:
+    """Whether bf16 matmuls past the few-row kernel's rows take `csrc/pair_matmul.c` here: a
+    CPU with AVX512-BF16 but no AMX (`amx_matmuls_available`), the kernels built, and
+    `LLMFLEET_CPU_PAIR_MATMUL` not `0`."""
+    if os.environ.get("LLMFLEET_CPU_PAIR_MATMUL", "1") == "0" or amx_matmuls_available():
+        return False
+    library = load()
+    return library is not None and bool(library.pair_matmul_available())

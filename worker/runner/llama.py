@@ -25,7 +25,7 @@ from torch import nn
 
 from worker.runner import host_memory
 from worker.runner.cpu_decode import DecodeLayers
-from worker.runner.cpu_kernels import load
+from worker.runner.cpu_kernels import amx_matmuls_available, load, pair_matmuls_available
 from worker.runner.cpu_layer_ops import LayerOps
 from worker.runner.paged_attention import StepMetadata, attend
 
@@ -38,23 +38,27 @@ class _Linear:
     identical results in bf16 (docs/benchmarks.md, "Our own forward"). A bf16 matmul of at
     most 8 rows (a decode step of 1-8 sequences) takes the C kernel in `csrc/few_rows.c`
     instead, which streams the weights at nearly the memory's rate where oneDNN's reached
-    about half of it (docs/benchmarks.md, "Few-row matmuls"). On a CPU with AMX, the weight
-    is packed into AMX's tiles instead of oneDNN's layout and every bf16 matmul takes
-    `csrc/amx_matmul.c`: it streams the weights faster than either at any decode step's rows
-    (1 row: 8.3 against 8.7 ms for all the layers, 8 rows: 8.4 against 12.9, 32 rows: 10.1
-    against oneDNN's 15.5), bit for bit oneDNN's up to 32 rows (session 28)."""
+    about half of it (docs/benchmarks.md, "Few-row matmuls").
 
-    __slots__ = ("_few_rows", "_packed", "amx_weight", "bias", "max_few_rows", "weight")
+    Where our tiled kernels run, the weight is also packed in AMX's tile layout
+    (`tiled_weight`). On a CPU with AMX it replaces oneDNN's (the same memory) and every bf16
+    matmul takes `csrc/amx_matmul.c`, which streams the weights faster than either at any
+    decode step's rows (1 row: 8.3 against 8.7 ms for all the layers, 8 rows: 8.4 against
+    12.9, 32 rows: 10.1 against oneDNN's 15.5), bit for bit oneDNN's up to 32 rows (session
+    28). On a CPU with AVX512-BF16 but no AMX, decode steps of more than 8 sequences take
+    `csrc/pair_matmul.c` over it in `decode_layers.c` (830-980 GFLOP/s at 16-32 rows against
+    oneDNN's 430-840; session 29), while prompts keep oneDNN, whose sums the kernel's
+    differ from by a rounding step in a few elements in 10,000: the prompts' logits stay
+    those of `transformers`, whose matmul is oneDNN's, bit for bit."""
+
+    __slots__ = ("_amx", "_few_rows", "_packed", "bias", "max_few_rows", "tiled_weight", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self._packed: torch.Tensor | None = None
-        self.amx_weight = _amx_packed(weight, bias)
-        if (
-            self.amx_weight is None
-            and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-        ):
+        self.tiled_weight = _tiled(weight, bias)
+        self._amx = self.tiled_weight is not None and amx_matmuls_available()
+        if not self._amx and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             except RuntimeError:  # no oneDNN kernel for this dtype on this CPU
@@ -63,7 +67,7 @@ class _Linear:
         self.max_few_rows = self._few_rows.few_rows_available() if self._few_rows else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx_weight is not None and x.shape[0] > 0:
+        if self._amx and x.shape[0] > 0:
             return self._matmul_amx(x)
         if 0 < x.shape[0] <= self.max_few_rows:
             return self._matmul_few_rows(x)
@@ -77,8 +81,14 @@ class _Linear:
 
     def _matmul_amx(self, x: torch.Tensor) -> torch.Tensor:
         library = load()
-        assert self.amx_weight is not None and library is not None  # packed by the library
-        return _call_kernel(library.amx_matmul, x, self.amx_weight, self.bias, self.weight.shape)
+        assert self.tiled_weight is not None and library is not None  # packed by the library
+        return _call_kernel(library.amx_matmul, x, self.tiled_weight, self.bias, self.weight.shape)
+
+    def matmul_pairs(self, x: torch.Tensor) -> torch.Tensor:
+        """`csrc/pair_matmul.c`'s product, as the decode layers take it (tests)."""
+        library = load()
+        assert self.tiled_weight is not None and library is not None
+        return _call_kernel(library.pair_matmul, x, self.tiled_weight, self.bias, self.weight.shape)
 
 
 def _call_kernel(
@@ -105,40 +115,34 @@ def _call_kernel(
     return out
 
 
-def amx_matmuls_available() -> bool:
-    """Whether bf16 matmuls take `csrc/amx_matmul.c` here: a CPU with AMX that Linux lets us
-    use, the kernels built, and `LLMFLEET_CPU_AMX` not `0`."""
-    if os.environ.get("LLMFLEET_CPU_AMX", "1") == "0":
-        return False
-    library = load()
-    return library is not None and bool(library.amx_available())
-
-
-def _amx_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The weight in AMX's tiles (`csrc/amx_matmul.c`) where that kernel can run its matmuls
-    (`amx_matmuls_available`; on the CPU, bf16, both dimensions multiples of 32), else None."""
-    if not _fits_kernels(weight, bias) or weight.shape[0] % 32 or not amx_matmuls_available():
+def _tiled(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight in AMX's tile layout (`amx_pack`) where a kernel that reads it can run its
+    matmuls (`csrc/amx_matmul.c`, or `csrc/pair_matmul.c` in the decode layers; on the CPU,
+    bf16, both dimensions multiples of 32), else None."""
+    if not _fits_kernels(weight, bias) or weight.shape[0] % 32:
+        return None
+    if not amx_matmuls_available() and not pair_matmuls_available():
         return None
     library = load()
     assert library is not None
-    packed = torch.empty(weight.numel(), dtype=torch.bfloat16)  # `_amx_into_one_tensor`'s
+    packed = torch.empty(weight.numel(), dtype=torch.bfloat16)  # `_tiled_into_one_tensor`'s
     library.amx_pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
     return packed
 
 
-def _amx_into_one_tensor(linears: list[_Linear]) -> None:
-    """The linears' AMX-packed weights copied into one tensor in huge pages, in this order,
-    each becoming a view of it (as `_into_one_tensor` does for the weights themselves)."""
-    packed = [linear.amx_weight for linear in linears if linear.amx_weight is not None]
+def _tiled_into_one_tensor(linears: list[_Linear]) -> None:
+    """The linears' tiled weights copied into one tensor in huge pages, in this order, each
+    becoming a view of it (as `_into_one_tensor` does for the weights themselves)."""
+    packed = [linear.tiled_weight for linear in linears if linear.tiled_weight is not None]
     if not packed:
         return
     arena = host_memory.zeros((sum(p.numel() for p in packed),), torch.bfloat16)
     start = 0
     for linear in linears:
-        if linear.amx_weight is not None:
-            view = arena[start : start + linear.amx_weight.numel()]
-            view.copy_(linear.amx_weight)
-            linear.amx_weight = view
+        if linear.tiled_weight is not None:
+            view = arena[start : start + linear.tiled_weight.numel()]
+            view.copy_(linear.tiled_weight)
+            linear.tiled_weight = view
             start += view.numel()
 
 
@@ -195,7 +199,7 @@ class LlamaForward:
         linears = [self.lm_head] + [
             linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]  # fmt: skip
-        _amx_into_one_tensor(linears[1:] + linears[:1])  # as a decode step reads them
+        _tiled_into_one_tensor(linears[1:] + linears[:1])  # as a decode step reads them
         # On the CPU, the layers' element-wise work in four C calls a layer (cpu_layer_ops.py)
         self.ops = LayerOps.for_model(
             self.embed.device,
@@ -203,8 +207,8 @@ class LlamaForward:
             (config.hidden_size, config.intermediate_size),
             self.head_dim,
         )
-        # On the CPU, a decode step of 1-8 sequences (with AMX, any) through every layer in
-        # one C call
+        # On the CPU, a decode step of 1-8 sequences (with the tiled kernels, any) through
+        # every layer in one C call
         self.decode_layers = DecodeLayers.for_forward(self)
 
     @staticmethod
@@ -289,6 +293,9 @@ class LlamaForward:
             and len(hidden) <= decode_layers.max_rows
         ):
             decode_layers.run(hidden, x, cos, sin, slot_mapping, k_pool, v_pool, step.decode_groups)
+            return decode_layers.lm_head(
+                ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps)
+            )
         else:
             for index, layer in enumerate(self.layers):
                 qkv = layer.qkv(x)

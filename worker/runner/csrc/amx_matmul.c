@@ -27,6 +27,20 @@
 #include <omp.h>
 #endif
 
+/* The layout `amx_matmul` reads, and `pair_matmul.c` on CPUs with AVX512-BF16 but no AMX
+ * (plain C: packed on any CPU). */
+void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
+    int64_t at = 0;
+    for (int block = 0; block < n / 32; block++)
+        for (int step = 0; step < k / 32; step++)
+            for (int t = 0; t < 2; t++)
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++)
+                        for (int j = 0; j < 2; j++)
+                            packed[at++] = w[(int64_t)(32 * block + 16 * t + c) * k + 32 * step +
+                                             2 * r + j];
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -53,17 +67,6 @@ int amx_available(void) {
     return permitted;
 }
 
-void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
-    int64_t at = 0;
-    for (int block = 0; block < n / 32; block++)
-        for (int step = 0; step < k / 32; step++)
-            for (int t = 0; t < 2; t++)
-                for (int r = 0; r < 16; r++)
-                    for (int c = 0; c < 16; c++)
-                        for (int j = 0; j < 2; j++)
-                            packed[at++] = w[(int64_t)(32 * block + 16 * t + c) * k + 32 * step +
-                                             2 * r + j];
-}
 
 /* Tiles 0-3: C (rows of x 0-15 and 16-31 of a run of 32, times the block's two halves);
  * 4-5: A (those rows' 32 values of k); 6-7: B. rows0 and rows1: the rows in each half. */
@@ -178,10 +181,6 @@ int amx_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, 
 #else /* no AMX here: the callers keep oneDNN */
 
 int amx_available(void) { return 0; }
-
-void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
-    (void)w, (void)packed, (void)n, (void)k;
-}
 
 int amx_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                int rows, int n, int k) {

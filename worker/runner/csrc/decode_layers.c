@@ -1,4 +1,4 @@
-/* Every decoder layer of a decode step of a few sequences (1-8; on a CPU with AMX, any number)
+/* Every decoder layer of a decode step of a few sequences (1-8; where the tiled matmuls run, any number)
  * in one call: what `llama.py`'s fused forward does layer by layer from Python, here with no
  * Python between the kernels. At one sequence a layer's weights stream in about a quarter of
  * a millisecond, and the forward's Python glue, the kernels' argument conversion and each
@@ -6,8 +6,9 @@
  * matmuls").
  *
  * The kernels are this library's own, called in the order `_fused_forward` calls them, so
- * the results are that forward's bit for bit: the matmuls (`few_rows.c`, or `amx_matmul.c`
- * over weights packed for AMX where `Model.amx` is set), RoPE and the pool
+ * the results are that forward's bit for bit: the matmuls (`few_rows.c`; where `Model.tiled` is
+ * set, `amx_matmul.c` or, past 8 rows, `pair_matmul.c` over the weights in AMX's tile
+ * layout), RoPE and the pool
  * writes, the residual adds and norms, SiLU (`layer_ops.c`), and the attention over the
  * paged pool (`paged_attention.c`), one call per group of decodes. bf16 only. */
 #include <stdint.h>
@@ -20,6 +21,8 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
                     int rows, int n, int k);
 int amx_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                int rows, int n, int k);
+int pair_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                int rows, int n, int k);
 int paged_decode(const void *q, const void *k_pool, const void *v_pool, const int32_t *tables,
                  const int32_t *lengths, void *out, int rows, int heads, int kv_heads,
                  int num_blocks, int block_size, int dim, int max_blocks, int is_bf16,
@@ -31,9 +34,13 @@ void rope_write(void *qkv, const void *cos, const void *sin, void *k_pool, void 
                 const int64_t *slots, int tokens, int heads, int kv_heads, int dim,
                 int num_slots, int is_bf16);
 
-typedef struct { /* one layer's weights, bf16, as `llama.py`'s _Layer holds them (the
-                  * matmuls' packed for AMX where `Model.amx` is set) */
-    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *post_norm, *gate_up, *down;
+typedef struct { /* a matmul's weight: as nn.Linear keeps it, and in AMX's tile layout */
+    const uint16_t *plain, *tiled; /* tiled: NULL where `Model.tiled` is not set */
+} Weight;
+
+typedef struct { /* one layer's weights, bf16, as `llama.py`'s _Layer holds them */
+    const uint16_t *input_norm, *qkv_bias, *post_norm;
+    Weight qkv, o, gate_up, down;
 } LayerWeights;
 
 typedef struct { /* a group of decodes attended in one call (`DecodeGroup`) */
@@ -45,12 +52,18 @@ typedef struct {
     const LayerWeights *layers;
     int num_layers, hidden, inter, heads, kv_heads, dim, num_blocks, block_size;
     float eps, scale;
-    int amx; /* the layers' matmul weights are `amx_pack`'s: amx_matmul takes them */
+    int tiled;      /* 0: the few-row matmuls only; TILED_AMX: amx_matmul; TILED_PAIRS: pair_matmul */
+    int tiled_from; /* from this many rows on, the tiled matmul; below, the few-row one */
 } Model;
 
-static inline int matmul(const Model *m, const uint16_t *x, const uint16_t *w,
-                         const uint16_t *bias, uint16_t *y, int rows, int n, int k) {
-    return m->amx ? amx_matmul(x, w, bias, y, rows, n, k) : matmul_few_rows(x, w, bias, y, rows, n, k);
+enum { TILED_AMX = 1, TILED_PAIRS = 2 };
+
+static inline int matmul(const Model *m, const uint16_t *x, Weight w, const uint16_t *bias,
+                         uint16_t *y, int rows, int n, int k) {
+    if (m->tiled && rows >= m->tiled_from)
+        return m->tiled == TILED_AMX ? amx_matmul(x, w.tiled, bias, y, rows, n, k)
+                                     : pair_matmul(x, w.tiled, bias, y, rows, n, k);
+    return matmul_few_rows(x, w.plain, bias, y, rows, n, k);
 }
 
 /* hidden [rows, hidden]: the embedded tokens in, the last layer's residual stream out.

@@ -1,0 +1,67 @@
+"""Matmuls over weights packed in AMX's tile layout (`llama._Linear.tiled_weight`). On a CPU
+with AMX every row count takes `csrc/amx_matmul.c`: torch's results bit for bit up to 32 rows,
+within a rounding step past that. On a CPU with AVX512-BF16 but no AMX, the decode layers'
+matmuls of more than 8 rows take `csrc/pair_matmul.c`: within a rounding step of torch's
+results (equal in all but a few elements in 10,000), while the linear itself keeps oneDNN's,
+which are torch's bit for bit. Torch's own matmul wherever neither can take the weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import tiny_model
+from tests.reference import assert_within_rounding_of_torch, bf16_matmul_case
+from worker.runner import llama
+
+AMX = llama.amx_matmuls_available()
+PAIRS = llama.pair_matmuls_available()
+pytestmark = pytest.mark.skipif(
+    not AMX and not PAIRS,
+    reason="the tiled matmuls need a C compiler and a CPU with AMX or AVX512-BF16",
+)
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 31, 32, 33, 50, 64, 100, 384])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (992, 576), (64, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tiled_matmuls_are_torchs(rows, n, k, with_bias):
+    x, weight, bias = bf16_matmul_case(rows, n, k, with_bias)
+    linear = llama._Linear(weight, bias)
+    assert linear.tiled_weight is not None and (linear._packed is None) == AMX
+    got = linear(x) if AMX else linear.matmul_pairs(x)
+    if AMX and rows <= 32:  # the same tile products in the same order as oneDNN's
+        assert torch.equal(got, F.linear(x, weight, bias))
+    assert_within_rounding_of_torch(got, x, weight, bias)  # else oneDNN sums otherwise
+
+
+@pytest.mark.skipif(not PAIRS, reason="the pair kernel runs on CPUs without AMX")
+@pytest.mark.parametrize("rows", [9, 32, 384])
+def test_without_amx_the_linear_keeps_torchs_matmul_bit_for_bit(rows):
+    x, weight, bias = bf16_matmul_case(rows, 992, 576, True)
+    assert torch.equal(llama._Linear(weight, bias)(x), F.linear(x, weight, bias))
+
+
+def test_weights_the_kernels_cannot_take_keep_torchs_matmul(monkeypatch):
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    for weight in (torch.randn(48, 64).to(torch.bfloat16), torch.randn(64, 64)):  # n % 32, fp32
+        linear = llama._Linear(weight)
+        assert linear.tiled_weight is None
+        assert torch.equal(linear(x.to(weight.dtype)), F.linear(x.to(weight.dtype), weight))
+    monkeypatch.setenv("LLMFLEET_CPU_AMX", "0")  # with AMX off, AVX512-BF16's pairs
+    assert llama.pair_matmuls_available()
+    monkeypatch.setenv("LLMFLEET_CPU_PAIR_MATMUL", "0")
+    assert llama._Linear(torch.randn(64, 64).to(torch.bfloat16)).tiled_weight is None
+
+
+def test_a_forwards_tiled_weights_lie_in_one_tensor_in_decode_order():
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    forward = llama.LlamaForward(loaded.model)
+    linears = [
+        linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ] + [forward.lm_head]  # fmt: skip
+    starts = [linear.tiled_weight.data_ptr() for linear in linears]
+    assert len({linear.tiled_weight.untyped_storage().data_ptr() for linear in linears}) == 1
+    assert starts == sorted(starts)  # a decode step streams one run of memory front to back

@@ -1,0 +1,126 @@
+/* `y = x @ w.T + bias` for a bf16 matmul of more than a few rows on CPUs with AVX512-BF16 but
+ * no AMX (AMD EPYC Zen 4, Intel Cooper Lake): x [rows, k], w as `amx_pack` lays it out (pairs
+ * of k side by side, 16 output columns a 64-byte row), bias [n] or NULL, y [rows, n]; fp32
+ * sums over k in order, rounded to bf16 once, as torch's matmul does (oneDNN's sums in
+ * another order: a rounding step apart in a few elements in 10,000).
+ *
+ * oneDNN's matmul, which these rows took before, made 430-840 GFLOP/s at 16-32 rows (a decode
+ * step of 16-32 sequences) on a 2-core AMD EPYC whose dot products give about 1,000; a step of
+ * 32 sequences is bound by the arithmetic there, not by the memory (8.6 GFLOP against 269 MB
+ * of weights). This kernel made 830-980 at the same rows and 990-1,070 at 64-2,048 rows,
+ * where oneDNN made 700-1,040 (docs/benchmarks.md, session 29).
+ *
+ * The layout is AMX's B tiles (`amx_matmul.c`): for each block of 32 output columns and each
+ * 32 values of k, two tiles of 16 pairs of k, each pair's row the 16 columns' two values. One
+ * 64-byte row is what `vdpbf16ps` takes: 16 columns times one pair of k, against one pair of
+ * x's values broadcast. A thread's work is whole blocks, two at a time (64 columns, four
+ * vectors), for ROWS rows of x at a time: 4 x ROWS fp32 sums in registers, and per pair of k
+ * four loads of the weights, ROWS broadcasts and 4 x ROWS dot products, the arithmetic the
+ * bound. Each line of the weights is asked for ahead into L2 on the first rows' pass (a
+ * decode step streams them once from memory); the other rows' passes read them from L2.
+ * x's rows are read as pairs from L1/L2. n and k are multiples of 32 (the caller checks). */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#define ROWS 6           /* rows of x a pass: 24 sums in registers */
+#define PAIR_AHEAD 4096  /* each line of the weights asked for this far ahead, into L2 */
+
+int pair_matmul_available(void) { return 1; }
+
+/* Rows row0 .. row0 + R - 1 of x against C vectors of 16 columns (C = 4: blocks b and b + 1;
+ * C = 2: block b), stored with the bias, rounded to bf16. */
+static inline __attribute__((always_inline)) void pass(const uint16_t *x, const uint16_t *packed,
+                                                       const uint16_t *bias, uint16_t *y,
+                                                       int row0, const int R, const int C,
+                                                       int block, int n, int k, int prefetch) {
+    __m512 sum[ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) sum[r][c] = _mm512_setzero_ps();
+    const uint16_t *b = packed + (int64_t)block * 32 * k;
+    const int64_t next_block = 32 * (int64_t)k; /* elements from a block to the next */
+    const uint32_t *xr = (const uint32_t *)(x + (int64_t)row0 * k); /* x's pairs of k */
+    for (int step = 0; step < k / 32; step++, b += 1024) {
+        if (prefetch)
+            for (int line = 0; line < 2048; line += 64)
+                for (int c = 0; c < C; c += 2)
+                    _mm_prefetch((const char *)(b + c / 2 * next_block) + PAIR_AHEAD + line,
+                                 _MM_HINT_T1);
+        for (int pair = 0; pair < 16; pair++) {
+            __m512bh w[4];
+            for (int c = 0; c < C; c++) /* vector c: block c / 2, tile c % 2 */
+                w[c] = (__m512bh)_mm512_loadu_si512(b + c / 2 * next_block + c % 2 * 512 + pair * 32);
+            const int at = step * 16 + pair;
+            for (int r = 0; r < R; r++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[(int64_t)r * (k / 2) + at]);
+                for (int c = 0; c < C; c++) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], w[c], xv);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        const int col = 32 * block + 16 * c; /* vector c's columns: block c / 2's c % 2 half */
+        const __m512 add = bias ? (__m512)load_bf16(bias + col) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_si256((__m256i *)(y + (int64_t)(row0 + r) * n + col),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum[r][c], add)));
+    }
+}
+
+/* Every row of x against blocks `block` (C = 4: and the next), ROWS rows a pass, the last pass
+ * as many as are left (a constant count each, so that the loops unroll). */
+static inline __attribute__((always_inline)) void columns(const uint16_t *x, const uint16_t *packed,
+                                                          const uint16_t *bias, uint16_t *y,
+                                                          int rows, const int C, int block, int n,
+                                                          int k) {
+    int row0 = 0;
+    for (; row0 + ROWS <= rows; row0 += ROWS)
+        pass(x, packed, bias, y, row0, ROWS, C, block, n, k, row0 == 0);
+    switch (rows - row0) {
+    case 1: pass(x, packed, bias, y, row0, 1, C, block, n, k, row0 == 0); break;
+    case 2: pass(x, packed, bias, y, row0, 2, C, block, n, k, row0 == 0); break;
+    case 3: pass(x, packed, bias, y, row0, 3, C, block, n, k, row0 == 0); break;
+    case 4: pass(x, packed, bias, y, row0, 4, C, block, n, k, row0 == 0); break;
+    case 5: pass(x, packed, bias, y, row0, 5, C, block, n, k, row0 == 0); break;
+    default: break;
+    }
+}
+
+int pair_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                int rows, int n, int k) {
+    if (rows < 1 || n % 32 || k % 32) return 1;
+    const int num_blocks = n / 32;
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+#else
+        const int threads = 1, thread = 0;
+#endif
+        const int first = (int)((int64_t)num_blocks * thread / threads);
+        const int last = (int)((int64_t)num_blocks * (thread + 1) / threads);
+        int block = first;
+        for (; block + 2 <= last; block += 2) columns(x, packed, bias, y, rows, 4, block, n, k);
+        if (block < last) columns(x, packed, bias, y, rows, 2, block, n, k);
+    }
+    return 0;
+}
+
+#else /* no AVX512-BF16 here: the callers keep oneDNN */
+
+int pair_matmul_available(void) { return 0; }
+
+int pair_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                int rows, int n, int k) {
+    (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)n, (void)k;
+    return 1;
+}
+
+#endif
