@@ -46,8 +46,8 @@ class _Linear:
     decode step's rows (1 row: 8.3 against 8.7 ms for all the layers, 8 rows: 8.4 against
     12.9, 32 rows: 10.1 against oneDNN's 15.5), bit for bit oneDNN's up to 32 rows (session
     28). On a CPU with AVX512-BF16 but no AMX, decode steps of more than 8 sequences take
-    `csrc/pair_matmul.c` over it in `decode_layers.c` (830-980 GFLOP/s at 16-32 rows against
-    oneDNN's 430-840; session 29), while prompts keep oneDNN, whose sums the kernel's
+    `csrc/pair_matmul.c` over it in `decode_layers.c` (the layers' shapes at 16-32 rows:
+    830-980 GFLOP/s against oneDNN's 430-840; session 29), while prompts keep oneDNN, whose sums the kernel's
     differ from by a rounding step in a few elements in 10,000: the prompts' logits stay
     those of `transformers`, whose matmul is oneDNN's, bit for bit."""
 

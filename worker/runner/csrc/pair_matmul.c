@@ -4,11 +4,12 @@
  * sums over k in order, rounded to bf16 once, as torch's matmul does (oneDNN's sums in
  * another order: a rounding step apart in a few elements in 10,000).
  *
- * oneDNN's matmul, which these rows took before, made 430-840 GFLOP/s at 16-32 rows (a decode
- * step of 16-32 sequences) on a 2-core AMD EPYC whose dot products give about 1,000; a step of
- * 32 sequences is bound by the arithmetic there, not by the memory (8.6 GFLOP against 269 MB
- * of weights). This kernel made 830-980 at the same rows and 990-1,070 at 64-2,048 rows,
- * where oneDNN made 700-1,040 (docs/benchmarks.md, session 29).
+ * oneDNN's matmul, which these rows took before, made 430-840 GFLOP/s for the default model's
+ * layers at 16-32 rows (a decode step of 16-32 sequences) on a 2-core AMD EPYC whose dot
+ * products give about 1,000; a step of 32 sequences is bound by the arithmetic there, not by
+ * the memory (8.6 GFLOP against 269 MB of weights). This kernel made 830-980 at the same rows
+ * (docs/benchmarks.md, session 29). It takes only decode steps (`decode_layers.c`): its sums
+ * are in another order than oneDNN's, and prompts keep oneDNN's, which are `transformers`'.
  *
  * The layout is AMX's B tiles (`amx_matmul.c`): for each block of 32 output columns and each
  * 32 values of k, two tiles of 16 pairs of k, each pair's row the 16 columns' two values. One
