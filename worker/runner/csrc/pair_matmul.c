@@ -37,6 +37,12 @@
 
 int pair_matmul_available(void) { return 1; }
 
+static inline int pair_at(const uint16_t *p) { /* two bf16 values as one 32-bit lane */
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return pair;
+}
+
 /* Rows row0 .. row0 + R - 1 of x against C vectors of 16 columns (C = 4: blocks b and b + 1;
  * C = 2: block b), stored with the bias, rounded to bf16. */
 static inline __attribute__((always_inline)) void pass(const uint16_t *x, const uint16_t *packed,
@@ -48,7 +54,7 @@ static inline __attribute__((always_inline)) void pass(const uint16_t *x, const 
         for (int c = 0; c < C; c++) sum[r][c] = _mm512_setzero_ps();
     const uint16_t *b = packed + (int64_t)block * 32 * k;
     const int64_t next_block = 32 * (int64_t)k; /* elements from a block to the next */
-    const uint32_t *xr = (const uint32_t *)(x + (int64_t)row0 * k); /* x's pairs of k */
+    const uint16_t *xr = x + (int64_t)row0 * k;
     for (int step = 0; step < k / 32; step++, b += 1024) {
         if (prefetch)
             for (int line = 0; line < 2048; line += 64)
@@ -59,9 +65,9 @@ static inline __attribute__((always_inline)) void pass(const uint16_t *x, const 
             __m512bh w[4];
             for (int c = 0; c < C; c++) /* vector c: block c / 2, tile c % 2 */
                 w[c] = (__m512bh)_mm512_loadu_si512(b + c / 2 * next_block + c % 2 * 512 + pair * 32);
-            const int at = step * 16 + pair;
+            const int at = 32 * step + 2 * pair; /* x's pair of k */
             for (int r = 0; r < R; r++) {
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[(int64_t)r * (k / 2) + at]);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_at(xr + (int64_t)r * k + at));
                 for (int c = 0; c < C; c++) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], w[c], xv);
             }
         }
