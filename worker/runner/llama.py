@@ -85,7 +85,8 @@ class _Linear:
         return _call_kernel(library.amx_matmul, x, self.tiled_weight, self.bias, self.weight.shape)
 
     def matmul_pairs(self, x: torch.Tensor) -> torch.Tensor:
-        """`csrc/pair_matmul.c`'s product, as the decode layers take it (tests)."""
+        """`csrc/pair_matmul.c`'s product, as the decode layers take it past 8 rows on CPUs
+        without AMX (their LM head: `DecodeLayers.lm_head`)."""
         library = load()
         assert self.tiled_weight is not None and library is not None
         return _call_kernel(library.pair_matmul, x, self.tiled_weight, self.bias, self.weight.shape)

@@ -23,10 +23,6 @@
 
 #include "vec.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 /* The layout `amx_matmul` reads, and `pair_matmul.c` on CPUs with AVX512-BF16 but no AMX
  * (plain C: packed on any CPU). */
 void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
@@ -66,7 +62,6 @@ int amx_available(void) {
         permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return permitted;
 }
-
 
 /* Tiles 0-3: C (rows of x 0-15 and 16-31 of a run of 32, times the block's two halves);
  * 4-5: A (those rows' 32 values of k); 6-7: B. rows0 and rows1: the rows in each half. */
@@ -163,13 +158,8 @@ int amx_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, 
     const int num_blocks = n / 32;
 #pragma omp parallel
     {
-#ifdef _OPENMP
-        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-#else
-        const int threads = 1, thread = 0;
-#endif
-        const int first = (int)((int64_t)num_blocks * thread / threads);
-        const int last = (int)((int64_t)num_blocks * (thread + 1) / threads);
+        int first, last;
+        thread_share(num_blocks, &first, &last);
         if (first < last) {
             blocks(x, packed, bias, y, rows, n, k, first, last);
             _tile_release();

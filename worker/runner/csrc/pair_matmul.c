@@ -25,10 +25,6 @@
 
 #include "vec.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -106,13 +102,8 @@ int pair_matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
     const int num_blocks = n / 32;
 #pragma omp parallel
     {
-#ifdef _OPENMP
-        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-#else
-        const int threads = 1, thread = 0;
-#endif
-        const int first = (int)((int64_t)num_blocks * thread / threads);
-        const int last = (int)((int64_t)num_blocks * (thread + 1) / threads);
+        int first, last;
+        thread_share(num_blocks, &first, &last);
         int block = first;
         for (; block + 2 <= last; block += 2) columns(x, packed, bias, y, rows, 4, block, n, k);
         if (block < last) columns(x, packed, bias, y, rows, 2, block, n, k);

@@ -1,11 +1,15 @@
 /* What the CPU kernels share: 16 floats as one vector (one AVX-512 register, or two AVX2
- * ones: GCC's vector extensions), loads of bf16 or fp32 into it, its horizontal sum, and
- * torch's rounding to bf16. */
+ * ones: GCC's vector extensions), loads of bf16 or fp32 into it, its horizontal sum,
+ * torch's rounding to bf16, and an OpenMP thread's share of a loop. */
 #ifndef LLMFLEET_VEC_H
 #define LLMFLEET_VEC_H
 
 #include <stdint.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef float f16v __attribute__((vector_size(64)));
 typedef uint32_t u32v __attribute__((vector_size(64)));
@@ -79,6 +83,18 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
     union { uint32_t u; float f; } x;
     x.f = f;
     return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* The calling OpenMP thread's contiguous share [*first, *last) of `count` items (all of them
+ * outside a parallel region, or built without OpenMP). */
+static inline void thread_share(int count, int *first, int *last) {
+#ifdef _OPENMP
+    const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+#else
+    const int threads = 1, thread = 0;
+#endif
+    *first = (int)((int64_t)count * thread / threads);
+    *last = (int)((int64_t)count * (thread + 1) / threads);
 }
 
 #endif
