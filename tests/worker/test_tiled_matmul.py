@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from tests import tiny_model
 from tests.reference import assert_within_rounding_of_torch, bf16_matmul_case
 from worker.runner import llama
+from worker.runner.cpu_kernels import load
+from worker.runner.cpu_layer_ops import LayerOps
 
 AMX = llama.amx_matmuls_available()
 PAIRS = llama.pair_matmuls_available()
@@ -65,3 +67,30 @@ def test_a_forwards_tiled_weights_lie_in_one_tensor_in_decode_order():
     starts = [linear.tiled_weight.data_ptr() for linear in linears]
     assert len({linear.tiled_weight.untyped_storage().data_ptr() for linear in linears}) == 1
     assert starts == sorted(starts)  # a decode step streams one run of memory front to back
+
+
+@pytest.mark.skipif(not AMX, reason="the fused gate-up and silu runs in the AMX kernel")
+@pytest.mark.parametrize("rows", [1, 9, 16, 33, 100, 384])
+@pytest.mark.parametrize(("inter", "k"), [(64, 64), (1536, 576)])
+def test_the_gate_up_projection_and_silu_in_one_pass_are_the_two_steps(rows, inter, k):
+    x, weight, _ = bf16_matmul_case(rows, 2 * inter, k, False)
+    x = x * 4  # sums from -30 to 30 and beyond: silu's every branch, the exp's clamps too
+    gate_up = llama._Linear(weight)
+    ops = LayerOps(load(), torch.bfloat16)
+    fused = gate_up.silu_mul(x, ops)
+    assert fused.shape == (rows, inter)
+    assert torch.equal(fused, ops.silu_mul(gate_up(x)))
+    gate, up = gate_up(x).chunk(2, dim=-1)  # and torch's ops on them, within exp's last bit
+    torch.testing.assert_close(fused, F.silu(gate) * up, rtol=1e-2, atol=1e-3)
+
+
+def test_a_gate_up_projection_the_kernel_cannot_take_keeps_the_two_steps(monkeypatch):
+    x, weight, bias = bf16_matmul_case(20, 128, 64, True)  # a bias: never fused
+    ops = LayerOps(load(), torch.bfloat16)
+    assert torch.equal(
+        llama._Linear(weight, bias).silu_mul(x, ops), ops.silu_mul(F.linear(x, weight, bias))
+    )
+    monkeypatch.setenv("LLMFLEET_CPU_AMX", "0")
+    monkeypatch.setenv("LLMFLEET_CPU_PAIR_MATMUL", "0")
+    x, weight, _ = bf16_matmul_case(20, 128, 64, False)
+    assert torch.equal(llama._Linear(weight).silu_mul(x, ops), ops.silu_mul(F.linear(x, weight)))

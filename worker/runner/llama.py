@@ -84,6 +84,17 @@ class _Linear:
         assert self.tiled_weight is not None and library is not None  # packed by the library
         return _call_kernel(library.amx_matmul, x, self.tiled_weight, self.bias, self.weight.shape)
 
+    def silu_mul(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
+        """`silu(gate) * up` of x through this fused gate-up projection ([gate | up]): on a
+        CPU with AMX in the matmul's own pass (`amx_matmul_silu`, bit for bit the two steps,
+        without writing the projection's output), else the matmul, then `ops.silu_mul`."""
+        if self._amx and self.bias is None and self.weight.shape[0] % 64 == 0 and len(x):
+            library = load()
+            assert self.tiled_weight is not None and library is not None
+            inter, k = self.weight.shape[0] // 2, self.weight.shape[1]
+            return _call_kernel(library.amx_matmul_silu, x, self.tiled_weight, None, (inter, k))
+        return ops.silu_mul(self(x))
+
     def matmul_pairs(self, x: torch.Tensor) -> torch.Tensor:
         """`csrc/pair_matmul.c`'s product, as the decode layers take it past 8 rows on CPUs
         without AMX (their LM head: `DecodeLayers.lm_head`)."""
@@ -97,7 +108,7 @@ def _call_kernel(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    shape: torch.Size | None = None,  # the weight's [n, k] where `weight` is packed
+    shape: tuple[int, ...] | None = None,  # the weight's [n, k] where `weight` is packed
 ) -> torch.Tensor:
     n, k = shape or weight.shape
     x = x.contiguous()
@@ -306,7 +317,7 @@ class LlamaForward:
                 q = qkv[:, :num_q].view(-1, self.num_heads, self.head_dim)
                 out = attend(q.transpose(0, 1), k_pool[index], v_pool[index], step, self.scaling)
                 x = ops.add_rms_norm(hidden, layer.o(out.flatten(1)), layer.post_norm, self.eps)
-                delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+                delta = layer.down(layer.gate_up.silu_mul(x, ops))
                 if index + 1 < len(self.layers):
                     x = ops.add_rms_norm(hidden, delta, self.layers[index + 1].input_norm, self.eps)
                 else:

@@ -13,46 +13,6 @@
 
 #define PARALLEL_ROWS 8 /* fewer rows than this run on the calling thread */
 
-/* Round to the nearest bf16, ties to even (torch's rounding); the identity for fp32. */
-static inline f16v rnd(f16v v, const int BF16) {
-    if (!BF16) return v;
-    u32v u;
-    memcpy(&u, &v, sizeof u);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
-
-static inline void store_v(void *base, int64_t at, f16v v, const int BF16) {
-    if (BF16) {
-        u32v u;
-        v = rnd(v, 1);
-        memcpy(&u, &v, sizeof u);
-        const u16v h = __builtin_convertvector(u >> 16, u16v);
-        memcpy((uint16_t *)base + at, &h, sizeof h);
-    } else {
-        memcpy((float *)base + at, &v, sizeof v);
-    }
-}
-
-static inline f16v exp_v(f16v x) {
-    const f16v zero = {0};
-    x = select_v(x < -87.f, zero - 87.f, x);
-    x = select_v(x > 88.f, zero + 88.f, x);
-    const f16v t = x * 1.4426950409f;
-    const f16v n = round_v(t);
-    const f16v f = (t - n) * 0.6931471806f;
-    f16v p = zero + 1.f / 5040;
-    p = p * f + 1.f / 720;
-    p = p * f + 1.f / 120;
-    p = p * f + 1.f / 24;
-    p = p * f + 1.f / 6;
-    p = p * f + 0.5f;
-    p = p * f + 1.f;
-    p = p * f + 1.f;
-    return times_pow2(p, n);
-}
-
 /* out = weight * round(x * rsqrt(mean(x^2) + eps)): HF's LlamaRMSNorm (normalised in fp32,
  * cast back to the model's dtype, then scaled). */
 static inline __attribute__((always_inline)) void norm_row(const void *x, void *out,

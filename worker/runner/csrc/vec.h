@@ -1,6 +1,6 @@
 /* What the CPU kernels share: 16 floats as one vector (one AVX-512 register, or two AVX2
  * ones: GCC's vector extensions), loads of bf16 or fp32 into it, its horizontal sum,
- * torch's rounding to bf16, and an OpenMP thread's share of a loop. */
+ * torch's rounding to bf16, e^x, and an OpenMP thread's share of a loop. */
 #ifndef LLMFLEET_VEC_H
 #define LLMFLEET_VEC_H
 
@@ -83,6 +83,48 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
     union { uint32_t u; float f; } x;
     x.f = f;
     return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* Round to the nearest bf16, ties to even (torch's rounding); the identity for fp32. */
+static inline f16v rnd(f16v v, const int BF16) {
+    if (!BF16) return v;
+    u32v u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline void store_v(void *base, int64_t at, f16v v, const int BF16) {
+    if (BF16) {
+        u32v u;
+        v = rnd(v, 1);
+        memcpy(&u, &v, sizeof u);
+        const u16v h = __builtin_convertvector(u >> 16, u16v);
+        memcpy((uint16_t *)base + at, &h, sizeof h);
+    } else {
+        memcpy((float *)base + at, &v, sizeof v);
+    }
+}
+
+/* e^x, 16 lanes: a degree-7 polynomial on x's fraction of ln 2, clamped to [-87, 88]
+ * (`layer_ops.c`'s silu, and `amx_matmul.c`'s where it fuses the two). */
+static inline f16v exp_v(f16v x) {
+    const f16v zero = {0};
+    x = select_v(x < -87.f, zero - 87.f, x);
+    x = select_v(x > 88.f, zero + 88.f, x);
+    const f16v t = x * 1.4426950409f;
+    const f16v n = round_v(t);
+    const f16v f = (t - n) * 0.6931471806f;
+    f16v p = zero + 1.f / 5040;
+    p = p * f + 1.f / 720;
+    p = p * f + 1.f / 120;
+    p = p * f + 1.f / 24;
+    p = p * f + 1.f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    return times_pow2(p, n);
 }
 
 /* The calling OpenMP thread's contiguous share [*first, *last) of `count` items (all of them
