@@ -17,10 +17,10 @@
  * each block's k in steps of 32, each step two B tiles of 1 KB: tile[r][2c + j] = w[16 * t + c]
  * [32 * s + 2 * r + j] (AMX's pairs of k side by side). A thread's work is whole blocks; for
  * each block and each 32 rows of x it keeps four C tiles (2 x 2 of 16 x 16 fp32) and, per
- * step of k, loads two A tiles (x, straight from its rows) and two B tiles, the B tiles with
- * `tileloaddt1` (used once a run: they pass L1 by, which keeps the run of x that every block
- * of the panel reads; 3-11% more GFLOP/s at 8-2,048 rows, session 30). n and k are multiples
- * of 32 (checked by the caller). */
+ * step of k, loads two A tiles (x, straight from its rows) and two B tiles (`tileloadd`:
+ * the streaming hint, `tileloaddt1`, made one matmul alone 3-11% faster but the engine's
+ * decode steps 2.8x slower on an Intel host whose 300 MB L3 holds the weights from step to
+ * step; session 30). n and k are multiples of 32 (checked by the caller). */
 #include <stdint.h>
 #include <string.h>
 
@@ -109,8 +109,8 @@ static inline void block_sums(const uint16_t *x, const uint16_t *b, int row0, in
             for (int line = 0; line < 2048; line += 64)
                 _mm_prefetch((const char *)b + AMX_AHEAD + line, _MM_HINT_T1);
         _tile_loadd(4, a0 + 32 * step, stride);
-        _tile_stream_loadd(6, b, 64);
-        _tile_stream_loadd(7, b + 512, 64);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (rows1) {
