@@ -84,7 +84,7 @@ class _Linear:
         assert self.tiled_weight is not None and library is not None  # packed by the library
         return _call_kernel(library.amx_matmul, x, self.tiled_weight, self.bias, self.weight.shape)
 
-    def silu_mul(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """`silu(gate) * up` of x through this fused gate-up projection ([gate | up]): on a
         CPU with AMX in the matmul's own pass (`amx_matmul_silu`, bit for bit the two steps,
         without writing the projection's output), else the matmul, then `ops.silu_mul`."""

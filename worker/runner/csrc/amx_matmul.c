@@ -1,7 +1,8 @@
-/* `y = x @ w.T + bias` for a bf16 matmul of more than 8 rows in AMX tiles, on Intel CPUs with
- * AMX-BF16: x [rows, k], w as `amx_pack` lays it out, bias [n] or NULL, y [rows, n]; fp32 sums
- * over k in order, rounded to bf16 once, as torch's matmul does (bit for bit oneDNN's at up
- * to 32 rows, the same instruction in the same order; past that oneDNN blocks k otherwise).
+/* `y = x @ w.T + bias` for a bf16 matmul of any rows in AMX tiles, on Intel CPUs with AMX-BF16
+ * (every bf16 matmul there, the decode steps' in `decode_layers.c` too): x [rows, k], w as
+ * `amx_pack` lays it out, bias [n] or NULL, y [rows, n]; fp32 sums over k in order, rounded
+ * to bf16 once, as torch's matmul does (bit for bit oneDNN's at up to 32 rows, the same
+ * instruction in the same order; past that oneDNN blocks k otherwise).
  *
  * At a decode step's rows (9-64 sequences) a matmul still reads each weight once and does
  * little arithmetic with it, and AMX has arithmetic to spare: its time is the time to stream
