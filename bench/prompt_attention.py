@@ -21,7 +21,17 @@ from worker.runner.loader import cpu_flags
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 SCALE = DIM**-0.5
-CASES = [(64, 0), (256, 0), (512, 0), (256, 256), (128, 768), (32, 1000)]  # (tokens, start)
+CASES = [
+    (64, 0),
+    (256, 0),
+    (512, 0),
+    (1024, 0),
+    (2048, 0),
+    (256, 256),
+    (128, 768),
+    (32, 1000),
+    (384, 1664),
+]  # (tokens, start)
 
 
 def _median_ms(fn, repeat: int) -> float:

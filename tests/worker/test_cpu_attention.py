@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from worker.runner import cpu_attention, paged_attention
+from worker.runner.cpu_kernels import amx_matmuls_available
 from worker.runner.paged_attention import PrefillSpan, StepMetadata, attend, decode_group, pool_rows
 
 needs_kernel = pytest.mark.skipif(
@@ -141,6 +142,18 @@ needs_prefill_kernel = pytest.mark.skipif(
 
 @needs_prefill_kernel
 @pytest.mark.parametrize(
+    "amx",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not amx_matmuls_available(), reason="AMX tiles: an Intel CPU with AMX-BF16"
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 96, 5)],
 )
@@ -151,8 +164,10 @@ needs_prefill_kernel = pytest.mark.skipif(
     [(0, 1), (0, 7), (3, 17), (0, 130), (150, 40)],
 )
 def test_the_prompt_kernel_attends_as_sdpa_does(
-    heads, kv_heads, head_dim, block_size, start, tokens
+    monkeypatch, amx, heads, kv_heads, head_dim, block_size, start, tokens
 ):
+    """In AMX tiles (`amx`) or with AVX512-BF16's dot products."""
+    monkeypatch.setenv("LLMFLEET_CPU_AMX", "1" if amx else "0")
     q, k_pool, v_pool, span = _prefill_case(
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
         start=start, tokens=tokens,
@@ -220,12 +235,18 @@ def test_loading_the_kernel_leaves_the_process_float_modes_alone():
 
 
 @needs_prefill_kernel
-def test_on_a_cpu_with_amx_prompt_chunks_take_sdpa(monkeypatch):
-    """There SDPA multiplies in AMX tiles, faster than the kernel's dot products."""
+def test_on_a_cpu_with_amx_prompt_chunks_take_the_kernel_in_tiles_or_sdpa(monkeypatch):
+    """There the kernel computes in AMX tiles, where they are on; with them off
+    (`LLMFLEET_CPU_AMX=0`) SDPA, which multiplies in AMX tiles itself, is faster than the
+    kernel's dot products."""
     q, k_pool, v_pool, span, step, calls = _counted_prompt_step(monkeypatch)
     monkeypatch.setattr(cpu_attention, "has_amx", lambda: True)
+    monkeypatch.setenv("LLMFLEET_CPU_AMX", "0")
     expected = paged_attention._prefill(q, k_pool[0], v_pool[0], span, None)
     assert torch.equal(attend(q, k_pool[0], v_pool[0], step), expected) and not calls
+    monkeypatch.delenv("LLMFLEET_CPU_AMX")
+    attend(q, k_pool[0], v_pool[0], step)
+    assert len(calls) == int(amx_matmuls_available())
     monkeypatch.setattr(cpu_attention, "has_amx", lambda: False)
     attend(q, k_pool[0], v_pool[0], step)
-    assert len(calls) == 1
+    assert len(calls) == 1 + int(amx_matmuls_available())

@@ -13,10 +13,13 @@ Prompt chunks (`paged_prefill`), on CPUs with AVX512-BF16 dot products and bf16 
 torch 2.13's CPU SDPA runs at 20-90 GFLOP/s on a chunk's shapes, a quarter of a 384-token
 step. The kernel packs the sequence's keys and values out of the pool into the layout of the
 bf16 dot-product instruction, then computes 16 query positions at a time (scores, causal
-softmax in fp32, weights times values), 2-3x faster than SDPA on this machine. Elsewhere
-(no AVX512-BF16, fp32 models, a GPU) chunks take SDPA, and so do they on CPUs with AMX,
-where SDPA multiplies in AMX tiles and is 2.5-3.8x faster than the kernel on chunks of 256
-tokens or more (`has_amx`).
+softmax in fp32, weights times values), 2-3x faster than SDPA on this machine. On CPUs with
+AMX the same kernel computes the scores and the weights times values in AMX tiles (the packed
+keys and values are already the tiles' layout) and leaves the weights unnormalised, scaling
+the sums once: 1.3-2x faster than SDPA there, which multiplies in AMX tiles too and was
+2.5-3.8x faster than the dot products on chunks of 256 tokens or more (`has_amx`; session 31,
+docs/benchmarks.md). Elsewhere (no AVX512-BF16, fp32 models, a GPU, or AMX turned off with
+`LLMFLEET_CPU_AMX=0` on a CPU with AMX) chunks take SDPA.
 
 Both are C (`csrc/paged_attention.c`: GCC's vector extensions and, for the prompt kernel,
 AVX-512 intrinsics), built and loaded with the runner's other kernels (`cpu_kernels.py`),
@@ -39,7 +42,7 @@ import functools
 
 import torch
 
-from worker.runner.cpu_kernels import load
+from worker.runner.cpu_kernels import amx_matmuls_available, load
 from worker.runner.loader import cpu_flags
 
 MAX_HEAD_DIM = 256
@@ -116,11 +119,12 @@ def has_prefill_kernel() -> bool:
 
 def supports_prefill(q: torch.Tensor, key_pool: torch.Tensor) -> bool:
     """Whether a layer's prompt chunks take the kernel: as `supports`, but bf16 only, a head
-    dimension a multiple of 32, the kernel built here, and a CPU without AMX (`has_amx`)."""
+    dimension a multiple of 32, the kernel built here, and on a CPU with AMX (`has_amx`) the
+    kernel's AMX tiles allowed (`amx_matmuls_available`)."""
     return (
         q.dtype == torch.bfloat16
         and q.shape[-1] % 32 == 0
-        and not has_amx()
+        and (not has_amx() or amx_matmuls_available())
         and has_prefill_kernel()
         and supports(q, key_pool)
     )
@@ -131,7 +135,8 @@ def has_amx() -> bool:
     """Whether the CPU multiplies bf16 matrices in AMX tiles: torch's SDPA then does (through
     oneDNN's brgemm), 2.5-3.8x faster than the prompt kernel's dot products on chunks of 256
     tokens or more (1.3x at 64) at the default model's shapes (docs/benchmarks.md, session
-    25), so prompt chunks take SDPA there."""
+    25), so there the kernel computes in AMX tiles too, or prompt chunks take SDPA where those
+    are off (`LLMFLEET_CPU_AMX=0`)."""
     return "amx_bf16" in cpu_flags()
 
 
@@ -171,6 +176,7 @@ def paged_prefill(
         num_blocks,
         block_size,
         head_dim,
+        int(amx_matmuls_available()),
         scale,
     )
     if status != 0:

@@ -41,8 +41,9 @@ void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
                                              2 * r + j];
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "amx.h"
+
+#ifdef LLMFLEET_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -51,15 +52,6 @@ void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
 /* Each line of the packed weights asked for this far ahead, into L2 (as `few_rows.c` does) */
 #define AMX_AHEAD 4096
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* 1 once Linux has let the process use AMX's tile state (asked on the first call), else 0. */
 int amx_available(void) {
     static int permitted = -1;
     if (permitted < 0)
@@ -70,15 +62,8 @@ int amx_available(void) {
 /* Tiles 0-3: C (rows of x 0-15 and 16-31 of a run of 32, times the block's two halves);
  * 4-5: A (those rows' 32 values of k); 6-7: B. rows0 and rows1: the rows in each half. */
 static void configure(int rows0, int rows1) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
     const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = rows[t] ? rows[t] : 1;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    configure_tiles(rows);
 }
 
 /* Rows of two C tiles (a block's columns 0-15 and 16-31) with the bias, rounded to bf16 by

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "vec.h"
 
 #define MAX_GROUP 16
@@ -389,7 +390,8 @@ int paged_decode(const void *q, const void *k_pool, const void *v_pool,
  * words: keys as [16-key block][dim pair][key], values as [key pair][dim]); then for each tile
  * of 16 query positions (times the head's query group) three passes: the scores (exact
  * products, fp32 sums), their causal softmax in fp32, and the weights (rounded to bf16, as
- * torch's SDPA does for bf16) times the values, summed in fp32. */
+ * torch's SDPA does for bf16) times the values, summed in fp32. Where the CPU has AMX
+ * (`prefill_tile_amx`), the first and last pass are AMX tiles over the same packed layouts. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -403,6 +405,7 @@ typedef struct {
     const int32_t *table;                /* the sequence's block table */
     uint16_t *out;                       /* [n, heads, dim] */
     int n, start, heads, kv_heads, num_blocks, block_size, dim;
+    int amx; /* the tiles in AMX (`prefill_tile_amx`) */
     float scale;
 } Prefill;
 
@@ -427,9 +430,13 @@ static inline __m512 exp512_nonpositive(__m512 x) { /* as exp_nonpositive, 16 la
     return _mm512_scalef_ps(p, n);
 }
 
+/* The blocks of 16 keys packed for a chunk: its keys', rounded up to an even count (AMX takes
+ * the keys 32 at a time). */
+static inline int packed_blocks(const Prefill *s) { return (s->start + s->n + 31) / 32 * 2; }
+
 static void prefill_pack(const Prefill *s, int kvh, uint32_t *kp, uint32_t *vp) {
     const int dim = s->dim, half = dim / 2;
-    const int keys = s->start + s->n, key_blocks = (keys + 15) / 16;
+    const int keys = s->start + s->n, key_blocks = packed_blocks(s);
     /* keys [block][pair][16 keys], values [key pair][dim], zero past the last key */
     for (int key = 0; key < key_blocks * 16; key++) {
         uint32_t *dst = kp + (int64_t)(key / 16) * half * 16 + key % 16;
@@ -451,12 +458,57 @@ static void prefill_pack(const Prefill *s, int kvh, uint32_t *kp, uint32_t *vp) 
     }
 }
 
+/* The tile's rows of scores (times `scale`) in sc, to their causal softmax in fp32, the
+ * weights rounded to bf16 in pw (pairs of keys in 32-bit words): row r is query position
+ * i0 + r % tn. Weights are written for the tile's key blocks rounded up to an even count,
+ * zero past each row's last key (AMX takes the keys 32 at a time). Where `inv` is given, the
+ * weights are left unnormalised (each e^(score - max) rounded to bf16) and inv[r] is 1 / the
+ * row's sum, for the caller to scale the weighted sum of values by: one pass over the row
+ * fewer. */
+static inline void prefill_softmax(const Prefill *s, int i0, int tn, int rows, int tile_blocks,
+                                   float *sc, uint32_t *pw, int stride, float scale, float *inv) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 by = _mm512_set1_ps(scale);
+    const int written = (tile_blocks + 1) / 2 * 2;
+    for (int r = 0; r < rows; r++) {
+        float *row = sc + (int64_t)r * stride;
+        uint32_t *w = pw + (int64_t)r * (stride / 2);
+        const int len = s->start + i0 + r % tn + 1;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int b = 0; b < tile_blocks; b++) {
+            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
+            top = _mm512_mask_max_ps(top, m, top, _mm512_mul_ps(_mm512_load_ps(row + b * 16), by));
+        }
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int b = 0; b < written; b++) {
+            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_load_ps(m, row + b * 16), by);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp512_nonpositive(_mm512_sub_ps(x, max)));
+            if (inv)
+                _mm256_store_si256((__m256i *)(w + b * 8), (__m256i)_mm512_cvtneps_pbh(e));
+            else
+                _mm512_store_ps(row + b * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if (inv) {
+            inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+            continue;
+        }
+        const __m512 by_sum = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        for (int b = 0; b < written; b++) {
+            const __m256bh h =
+                _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + b * 16), by_sum));
+            _mm256_store_si256((__m256i *)(w + b * 8), (__m256i)h);
+        }
+    }
+}
+
 /* One tile: queries i0 .. i0 + 15 of KV head kvh's query group, over the packed kp, vp. */
 static inline __attribute__((always_inline)) void prefill_tile(
     const Prefill *s, int kvh, int i0, const int DIMV, const uint32_t *kp, const uint32_t *vp,
     float *sc, uint32_t *pw, int stride) {
     const int dim = DIMV * 16, half = DIMV * 8, group = s->heads / s->kv_heads;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const int tn = s->n - i0 < TILE ? s->n - i0 : TILE, rows = tn * group;
     const int tile_blocks = (s->start + i0 + tn - 1) / 16 + 1;
     /* row r: query position i0 + r % tn of the group's head r / tn */
@@ -482,30 +534,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
                                 _mm512_mul_ps(acc[j], _mm512_set1_ps(s->scale)));
         }
     }
-    for (int r = 0; r < rows; r++) { /* causal softmax, weights to bf16 pairs */
-        float *row = sc + (int64_t)r * stride;
-        const int len = s->start + i0 + r % tn + 1;
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int b = 0; b < tile_blocks; b++) {
-            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
-            top = _mm512_mask_max_ps(top, m, top, _mm512_load_ps(row + b * 16));
-        }
-        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        __m512 sum = _mm512_setzero_ps();
-        for (int b = 0; b < tile_blocks; b++) {
-            const __mmask16 m = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(len - b * 16));
-            const __m512 e = _mm512_maskz_mov_ps(
-                m, exp512_nonpositive(_mm512_sub_ps(_mm512_load_ps(row + b * 16), max)));
-            _mm512_store_ps(row + b * 16, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-        uint32_t *w = pw + (int64_t)r * (stride / 2);
-        for (int b = 0; b < tile_blocks; b++) {
-            const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + b * 16), inv));
-            _mm256_store_si256((__m256i *)(w + b * 8), (__m256i)h);
-        }
-    }
+    prefill_softmax(s, i0, tn, rows, tile_blocks, sc, pw, stride, 1.f, NULL);
     /* weights times values: RPV rows at once, DIMV vectors each */
     const int RPV = DIMV >= 16 ? 1 : 16 / DIMV;
     for (int r0 = 0; r0 < rows; r0 += RPV) {
@@ -533,10 +562,105 @@ static inline __attribute__((always_inline)) void prefill_tile(
     }
 }
 
+#ifdef LLMFLEET_AMX
+/* The tile's scores and its weights times values in AMX tiles, where the CPU has them (the
+ * softmax between as above): the packed keys' words are already a B tile's rows (a pair of
+ * dims, 16 keys), and so are the values' (a pair of keys, 16 dims). A query head's 16
+ * positions are an A tile (32 dims at a time, straight from q) against four blocks of 16
+ * keys (C tiles 0-3), then its weights (32 keys at a time) against four tiles of 16 dims of
+ * the values. Tiles: 0-3 C (tn rows), 4 A (tn rows), 5-7 B (16 rows). */
+static void prefill_tile_amx(const Prefill *s, int kvh, int i0, const int DIMV, const uint32_t *kp,
+                             const uint32_t *vp, float *sc, uint32_t *pw, int stride) {
+    const int dim = DIMV * 16, half = DIMV * 8, group = s->heads / s->kv_heads;
+    const int tn = s->n - i0 < TILE ? s->n - i0 : TILE;
+    const int tile_blocks = (s->start + i0 + tn - 1) / 16 + 1;
+    const int tiles[8] = {tn, tn, tn, tn, tn, 16, 16, 16};
+    configure_tiles(tiles);
+    const int64_t q_stride = (int64_t)s->heads * dim * 2, k_block = (int64_t)half * 16;
+    for (int g = 0; g < group; g++) { /* scores: sc's row g * tn + i, query position i0 + i */
+        const uint16_t *q = s->q + ((int64_t)i0 * s->heads + (int64_t)kvh * group + g) * dim;
+        for (int b = 0; b < tile_blocks; b += 4) {
+            const int nb = tile_blocks - b < 4 ? tile_blocks - b : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int step = 0; step < dim / 32; step++) {
+                const uint32_t *k = kp + b * k_block + 256 * step;
+                _tile_loadd(4, q + 32 * step, q_stride);
+                _tile_loadd(5, k, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nb > 1) {
+                    _tile_loadd(6, k + k_block, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (nb > 2) {
+                    _tile_loadd(7, k + 2 * k_block, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (nb > 3) {
+                    _tile_loadd(5, k + 3 * k_block, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            float *row = sc + (int64_t)g * tn * stride + 16 * b;
+            _tile_stored(0, row, stride * 4);
+            if (nb > 1) _tile_stored(1, row + 16, stride * 4);
+            if (nb > 2) _tile_stored(2, row + 32, stride * 4);
+            if (nb > 3) _tile_stored(3, row + 48, stride * 4);
+        }
+    }
+    float inv[TILE * MAX_GROUP];
+    prefill_softmax(s, i0, tn, group * tn, tile_blocks, sc, pw, stride, s->scale, inv);
+    float o[4][256] __attribute__((aligned(64)));
+    const int key_steps = (tile_blocks + 1) / 2; /* 32 keys each: the weights are zero past */
+    for (int g = 0; g < group; g++) {
+        const uint32_t *w = pw + (int64_t)g * tn * (stride / 2);
+        uint16_t *out = s->out + ((int64_t)i0 * s->heads + (int64_t)kvh * group + g) * dim;
+        for (int t0 = 0; t0 < DIMV; t0 += 4) {
+            const int nt = DIMV - t0 < 4 ? DIMV - t0 : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int step = 0; step < key_steps; step++) {
+                const uint32_t *v = vp + (int64_t)16 * step * dim + 16 * t0;
+                _tile_loadd(4, w + 16 * step, stride * 2);
+                _tile_loadd(5, v, dim * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nt > 1) {
+                    _tile_loadd(6, v + 16, dim * 4);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (nt > 2) {
+                    _tile_loadd(7, v + 32, dim * 4);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (nt > 3) {
+                    _tile_loadd(5, v + 48, dim * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, o[0], 64);
+            if (nt > 1) _tile_stored(1, o[1], 64);
+            if (nt > 2) _tile_stored(2, o[2], 64);
+            if (nt > 3) _tile_stored(3, o[3], 64);
+            for (int i = 0; i < tn; i++) {
+                const __m512 by_sum = _mm512_set1_ps(inv[g * tn + i]);
+                for (int t = 0; t < nt; t++)
+                    _mm256_storeu_si256(
+                        (__m256i *)(out + (int64_t)i * s->heads * dim + 16 * (t0 + t)),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[t] + 16 * i), by_sum)));
+            }
+        }
+    }
+}
+#endif
+
 /* The tiles of every KV head shared out over torch's own OpenMP threads (the kernel links the
  * libgomp torch has loaded, so no second pool competes with torch's), longest tiles first. */
 static int prefill_run(const Prefill *s, const int DIMV) {
-    const int keys = s->start + s->n, key_blocks = (keys + 15) / 16, dim = DIMV * 16;
+    const int dim = DIMV * 16, key_blocks = packed_blocks(s);
     const int group = s->heads / s->kv_heads, stride = key_blocks * 16;
     const int64_t words = (int64_t)key_blocks * 8 * dim; /* packed keys of a head; values alike */
     uint32_t *kp = aligned_alloc(64, (size_t)words * 2 * s->kv_heads * 4);
@@ -559,8 +683,18 @@ static int prefill_run(const Prefill *s, const int DIMV) {
         for (int item = items - 1; item >= 0; item--) {
             if (sc == NULL || pw == NULL) continue;
             const int kvh = item % s->kv_heads, i0 = item / s->kv_heads * TILE;
+#ifdef LLMFLEET_AMX
+            if (s->amx) {
+                prefill_tile_amx(s, kvh, i0, DIMV, kp + kvh * words, vp + kvh * words, sc, pw,
+                                 stride);
+                continue;
+            }
+#endif
             prefill_tile(s, kvh, i0, DIMV, kp + kvh * words, vp + kvh * words, sc, pw, stride);
         }
+#ifdef LLMFLEET_AMX
+        if (s->amx) _tile_release();
+#endif
         free(sc), free(pw);
     }
     free(kp);
@@ -573,12 +707,17 @@ static int prefill_any(const Prefill *s) { return prefill_run(s, s->dim / 16); }
 
 int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
                   void *out, int n, int start, int heads, int kv_heads, int num_blocks,
-                  int block_size, int dim, float scale) {
+                  int block_size, int dim, int amx, float scale) {
     if (dim % 32 || dim / 16 > MAX_DIMV || kv_heads < 1 || heads % kv_heads ||
         heads / kv_heads > MAX_GROUP || n < 1 || start < 0)
         return -2;
+#ifdef LLMFLEET_AMX
+    amx = amx && amx_available();
+#else
+    amx = 0;
+#endif
     const Prefill s = {q, k_pool, v_pool, table, out, n, start,
-                       heads, kv_heads, num_blocks, block_size, dim, scale};
+                       heads, kv_heads, num_blocks, block_size, dim, amx, scale};
     if (dim == 64) return prefill_64(&s);
     if (dim == 128) return prefill_128(&s);
     return prefill_any(&s);
@@ -587,7 +726,7 @@ int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const i
 int prefill_available(void) { return 0; }
 int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
                   void *out, int n, int start, int heads, int kv_heads, int num_blocks,
-                  int block_size, int dim, float scale) {
+                  int block_size, int dim, int amx, float scale) {
     return -3; /* not built for this CPU: the caller takes torch's SDPA */
 }
 #endif
