@@ -94,3 +94,24 @@ def test_a_gate_up_projection_the_kernel_cannot_take_keeps_the_two_steps(monkeyp
     monkeypatch.setenv("LLMFLEET_CPU_PAIR_MATMUL", "0")
     x, weight, _ = bf16_matmul_case(20, 128, 64, False)
     assert torch.equal(llama._Linear(weight).silu_mul(x, ops), ops.silu_mul(F.linear(x, weight)))
+
+
+@pytest.mark.skipif(not AMX, reason="the AMX kernel shares a prompt's matmul out by items")
+@pytest.mark.parametrize("rows", [65, 200, 1000])
+@pytest.mark.parametrize(("n", "k"), [(608, 576), (96, 64), (3072, 576)])
+def test_a_prompts_matmul_is_the_same_on_any_number_of_threads(rows, n, k):
+    """Past 64 rows the threads take a panel's blocks times 128 rows at a time, their own
+    first, then what is left of the others': every output once, summed in the same order
+    however the items fell (n = 608: 19 blocks, shares of 6-10 in uneven panels)."""
+    x, weight, bias = bf16_matmul_case(rows, n, k, True)
+    linear = llama._Linear(weight, bias)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            results.append(linear(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(result, results[0]) for result in results[1:])
+    assert_within_rounding_of_torch(results[0], x, weight, bias)

@@ -12,7 +12,11 @@
  * front to back, each line asked for ahead into L2, while x stays in L1/L2. A prompt's
  * hundreds of rows take the thread's blocks a panel of 8 at a time (`blocks`), the panel in
  * L2 while every 32 rows of x cross it (session 30: 2,048 rows 1.2-1.4x the GFLOP/s of a
- * block at a time, as fast as oneDNN or faster).
+ * block at a time, as fast as oneDNN or faster). Past 64 rows the work is shared out in items
+ * (a panel times 128 rows), each thread its own blocks' first, then what is left of the
+ * others': on a host where one core is slowed (another process on it, or the machine's
+ * neighbours) the other takes more, where a thread's fixed share waited for the slower one
+ * (session 31: 1.4x at 192-2,048 rows in the slow minutes, the same sums bit for bit).
  *
  * The packed layout (`amx_pack`): w's n rows in blocks of 32 (two tiles of 16 output columns),
  * each block's k in steps of 32, each step two B tiles of 1 KB: tile[r][2c + j] = w[16 * t + c]
@@ -198,10 +202,80 @@ static void blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
     }
 }
 
+/* A prompt's matmul (more than SHARE_MIN_ROWS rows) is shared out in items of a panel's blocks
+ * times SHARE_ROWS rows: each thread takes the items of its own blocks front to back, then
+ * takes what is left of the others' from the back. */
+#define SHARE_ROWS 128
+#define SHARE_MIN_ROWS 64
+#define MAX_THREADS 64
+
+/* A thread's items not yet taken, [front, back), in one word so that its owner (from the
+ * front) and the others (from the back) never take the same one. */
+typedef struct {
+    _Alignas(64) uint64_t range;
+} Share;
+
+static int take(Share *share, int from_back) {
+    uint64_t old = __atomic_load_n(&share->range, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const uint32_t front = (uint32_t)old, back = (uint32_t)(old >> 32);
+        if (front >= back) return -1;
+        const uint64_t taken = from_back ? (uint64_t)(back - 1) << 32 | front
+                                         : (uint64_t)back << 32 | (front + 1);
+        if (__atomic_compare_exchange_n(&share->range, &old, taken, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return (int)(from_back ? back - 1 : front);
+    }
+}
+
+static void share_item(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
+                       uint16_t *y, int rows, int n, int k, int silu, int threads, int owner,
+                       int item) {
+    const int num_blocks = n / 32, chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
+    const int first = (int)((int64_t)num_blocks * owner / threads);
+    const int last = (int)((int64_t)num_blocks * (owner + 1) / threads);
+    const int panel = first + item / chunks * PANEL_BLOCKS, row0 = item % chunks * SHARE_ROWS;
+    const int panel_end = panel + PANEL_BLOCKS < last ? panel + PANEL_BLOCKS : last;
+    const int chunk_rows = rows - row0 < SHARE_ROWS ? rows - row0 : SHARE_ROWS;
+    blocks(x + (int64_t)row0 * k, packed, bias, y + (int64_t)row0 * n, chunk_rows, n, k, panel,
+           panel_end, silu);
+}
+
 static int matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                   int rows, int n, int k, int silu) {
     if (rows < 1 || n % 32 || k % 32 || !amx_available()) return 1;
     const int num_blocks = n / 32;
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads() < MAX_THREADS ? omp_get_max_threads() : MAX_THREADS;
+#else
+    const int threads = 1;
+#endif
+    if (rows > SHARE_MIN_ROWS && threads > 1) {
+        Share shares[MAX_THREADS];
+        const int chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
+        for (int t = 0; t < threads; t++) {
+            const int first = (int)((int64_t)num_blocks * t / threads);
+            const int last = (int)((int64_t)num_blocks * (t + 1) / threads);
+            const int panels = (last - first + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
+            shares[t].range = (uint64_t)(panels * chunks) << 32;
+        }
+#pragma omp parallel
+        {
+#ifdef _OPENMP
+            const int me = omp_get_thread_num();
+#else
+            const int me = 0;
+#endif
+            for (int i = 0; i < threads; i++) {
+                const int owner = (me + i) % threads;
+                int item;
+                while ((item = take(&shares[owner], owner != me)) >= 0)
+                    share_item(x, packed, bias, y, rows, n, k, silu, threads, owner, item);
+            }
+            _tile_release();
+        }
+        return 0;
+    }
 #pragma omp parallel
     {
         int first, last;
