@@ -96,11 +96,11 @@ def test_a_gate_up_projection_the_kernel_cannot_take_keeps_the_two_steps(monkeyp
     assert torch.equal(llama._Linear(weight).silu_mul(x, ops), ops.silu_mul(F.linear(x, weight)))
 
 
-@pytest.mark.skipif(not AMX, reason="the AMX kernel shares a prompt's matmul out by items")
-@pytest.mark.parametrize("rows", [65, 200, 1000])
+@pytest.mark.skipif(not AMX, reason="the AMX kernel shares a matmul out by items")
+@pytest.mark.parametrize("rows", [17, 64, 200, 1000])
 @pytest.mark.parametrize(("n", "k"), [(608, 576), (96, 64), (3072, 576)])
-def test_a_prompts_matmul_is_the_same_on_any_number_of_threads(rows, n, k):
-    """Past 64 rows the threads take a panel's blocks times 128 rows at a time, their own
+def test_a_matmul_is_the_same_on_any_number_of_threads(rows, n, k):
+    """Past 16 rows the threads take a panel's blocks times 128 rows at a time, their own
     first, then what is left of the others': every output once, summed in the same order
     however the items fell (n = 608: 19 blocks, shares of 6-10 in uneven panels)."""
     x, weight, bias = bf16_matmul_case(rows, n, k, True)

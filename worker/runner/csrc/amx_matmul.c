@@ -12,11 +12,12 @@
  * front to back, each line asked for ahead into L2, while x stays in L1/L2. A prompt's
  * hundreds of rows take the thread's blocks a panel of 8 at a time (`blocks`), the panel in
  * L2 while every 32 rows of x cross it (session 30: 2,048 rows 1.2-1.4x the GFLOP/s of a
- * block at a time, as fast as oneDNN or faster). Past 64 rows the work is shared out in items
+ * block at a time, as fast as oneDNN or faster). Past 16 rows the work is shared out in items
  * (a panel times 128 rows), each thread its own blocks' first, then what is left of the
  * others': on a host where one core is slowed (another process on it, or the machine's
  * neighbours) the other takes more, where a thread's fixed share waited for the slower one
- * (session 31: 1.4x at 192-2,048 rows in the slow minutes, the same sums bit for bit).
+ * (session 31: 1.4x at 192-2,048 rows and 1.1-1.25x at 32-64 in the slow minutes, the same
+ * sums bit for bit).
  *
  * The packed layout (`amx_pack`): w's n rows in blocks of 32 (two tiles of 16 output columns),
  * each block's k in steps of 32, each step two B tiles of 1 KB: tile[r][2c + j] = w[16 * t + c]
@@ -202,11 +203,13 @@ static void blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
     }
 }
 
-/* A prompt's matmul (more than SHARE_MIN_ROWS rows) is shared out in items of a panel's blocks
- * times SHARE_ROWS rows: each thread takes the items of its own blocks front to back, then
- * takes what is left of the others' from the back. */
+/* A matmul of more than SHARE_MIN_ROWS rows (a prompt's, or a decode step's of 17 or more
+ * sequences) is shared out in items of a panel's blocks times SHARE_ROWS rows: each thread
+ * takes the items of its own blocks front to back, then what is left of the others' from
+ * the back. At 1-16 rows, where a matmul streams its weights and takes 0.2 ms a layer, the
+ * fixed shares were as fast (session 31). */
 #define SHARE_ROWS 128
-#define SHARE_MIN_ROWS 64
+#define SHARE_MIN_ROWS 16
 #define MAX_THREADS 64
 
 /* A thread's items not yet taken, [front, back), in one word so that its owner (from the
