@@ -111,7 +111,10 @@ def test_a_matmul_is_the_same_on_any_number_of_threads(rows, n, k):
         for count in (1, 2, 3, 5):
             torch.set_num_threads(count)
             results.append(linear(x))
+        load().amx_share(0)  # every thread its fixed share of the blocks
+        results.append(linear(x))
     finally:
+        load().amx_share(1)
         torch.set_num_threads(threads)
     assert all(torch.equal(result, results[0]) for result in results[1:])
     assert_within_rounding_of_torch(results[0], x, weight, bias)

@@ -212,6 +212,11 @@ static void blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
 #define SHARE_MIN_ROWS 16
 #define MAX_THREADS 64
 
+static int sharing = 1; /* 0: every thread its fixed share, as before session 31 */
+
+/* Items and stealing on (1, the default) or off (0): `bench.matmul_share` compares the two. */
+void amx_share(int on) { sharing = on; }
+
 /* A thread's items not yet taken, [front, back), in one word so that its owner (from the
  * front) and the others (from the back) never take the same one. */
 typedef struct {
@@ -253,7 +258,7 @@ static int matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bia
 #else
     const int threads = 1;
 #endif
-    if (rows > SHARE_MIN_ROWS && threads > 1) {
+    if (sharing && rows > SHARE_MIN_ROWS && threads > 1) {
         Share shares[MAX_THREADS];
         const int chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
         for (int t = 0; t < threads; t++) {
@@ -308,6 +313,8 @@ int amx_matmul_silu(const uint16_t *x, const uint16_t *packed, const uint16_t *b
 }
 
 #else /* no AMX here: the callers keep oneDNN */
+
+void amx_share(int on) { (void)on; }
 
 int amx_available(void) { return 0; }
 
