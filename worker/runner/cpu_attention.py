@@ -16,7 +16,7 @@ bf16 dot-product instruction, then computes 16 query positions at a time (scores
 softmax in fp32, weights times values), 2-3x faster than SDPA on this machine. On CPUs with
 AMX the same kernel computes the scores and the weights times values in AMX tiles (the packed
 keys and values are already the tiles' layout) and leaves the weights unnormalised, scaling
-the sums once: 1.3-2x faster than SDPA there, which multiplies in AMX tiles too and was
+the sums once: 1.3-2.3x faster than SDPA there, which multiplies in AMX tiles too and was
 2.5-3.8x faster than the dot products on chunks of 256 tokens or more (`has_amx`; session 31,
 docs/benchmarks.md). Elsewhere (no AVX512-BF16, fp32 models, a GPU, or AMX turned off with
 `LLMFLEET_CPU_AMX=0` on a CPU with AMX) chunks take SDPA.
