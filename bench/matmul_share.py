@@ -55,6 +55,8 @@ def _layer(library, layer, inputs, outputs, rows: int, share: int) -> float:
 
 def measure(rounds: int, rows_list: list[int]) -> list[dict]:
     library = load()
+    if library is None:
+        raise RuntimeError("the CPU kernels could not be built")
     generator = torch.Generator().manual_seed(0)
     # (packed weight, n, k, fused silu): n is the output width (the gate-up's half when fused)
     layer = [
