@@ -26,6 +26,7 @@ TORCH_ALLOWED = (
     "bench.gpu_model",
     "bench.kv_transfer",
     "bench.prompt_attention",
+    "bench.matmul_share",
 )
 
 
