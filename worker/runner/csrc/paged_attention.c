@@ -563,6 +563,42 @@ static inline __attribute__((always_inline)) void prefill_tile(
 }
 
 #ifdef LLMFLEET_AMX
+/* C tiles 0 .. count - 1 (count 1-4) += the A tile at a (tile 4, a_stride bytes a row) times
+ * the B tiles at b, b + b_step, ... (b_stride bytes a row; tiles 5-7, then 5 again). */
+static inline void four_products(const void *a, int64_t a_stride, const uint32_t *b,
+                                 int64_t b_step, int64_t b_stride, int count) {
+    _tile_loadd(4, a, a_stride);
+    _tile_loadd(5, b, b_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (count > 1) {
+        _tile_loadd(6, b + b_step, b_stride);
+        _tile_dpbf16ps(1, 4, 6);
+    }
+    if (count > 2) {
+        _tile_loadd(7, b + 2 * b_step, b_stride);
+        _tile_dpbf16ps(2, 4, 7);
+    }
+    if (count > 3) {
+        _tile_loadd(5, b + 3 * b_step, b_stride);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+}
+
+/* C tiles 0 .. count - 1 into c, c + c_step, ... (c_stride bytes a row). */
+static inline void store_products(float *c, int64_t c_step, int64_t c_stride, int count) {
+    _tile_stored(0, c, c_stride);
+    if (count > 1) _tile_stored(1, c + c_step, c_stride);
+    if (count > 2) _tile_stored(2, c + 2 * c_step, c_stride);
+    if (count > 3) _tile_stored(3, c + 3 * c_step, c_stride);
+}
+
+static inline void zero_products(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* The tile's scores and its weights times values in AMX tiles, where the CPU has them (the
  * softmax between as above): the packed keys' words are already a B tile's rows (a pair of
  * dims, 16 keys), and so are the values' (a pair of keys, 16 dims). A query head's 16
@@ -581,33 +617,11 @@ static void prefill_tile_amx(const Prefill *s, int kvh, int i0, const int DIMV, 
         const uint16_t *q = s->q + ((int64_t)i0 * s->heads + (int64_t)kvh * group + g) * dim;
         for (int b = 0; b < tile_blocks; b += 4) {
             const int nb = tile_blocks - b < 4 ? tile_blocks - b : 4;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int step = 0; step < dim / 32; step++) {
-                const uint32_t *k = kp + b * k_block + 256 * step;
-                _tile_loadd(4, q + 32 * step, q_stride);
-                _tile_loadd(5, k, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                if (nb > 1) {
-                    _tile_loadd(6, k + k_block, 64);
-                    _tile_dpbf16ps(1, 4, 6);
-                }
-                if (nb > 2) {
-                    _tile_loadd(7, k + 2 * k_block, 64);
-                    _tile_dpbf16ps(2, 4, 7);
-                }
-                if (nb > 3) {
-                    _tile_loadd(5, k + 3 * k_block, 64);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-            }
-            float *row = sc + (int64_t)g * tn * stride + 16 * b;
-            _tile_stored(0, row, stride * 4);
-            if (nb > 1) _tile_stored(1, row + 16, stride * 4);
-            if (nb > 2) _tile_stored(2, row + 32, stride * 4);
-            if (nb > 3) _tile_stored(3, row + 48, stride * 4);
+            zero_products();
+            for (int step = 0; step < dim / 32; step++)
+                four_products(q + 32 * step, q_stride, kp + b * k_block + 256 * step, k_block, 64,
+                              nb);
+            store_products(sc + (int64_t)g * tn * stride + 16 * b, 16, stride * 4, nb);
         }
     }
     float inv[TILE * MAX_GROUP];
@@ -619,32 +633,11 @@ static void prefill_tile_amx(const Prefill *s, int kvh, int i0, const int DIMV, 
         uint16_t *out = s->out + ((int64_t)i0 * s->heads + (int64_t)kvh * group + g) * dim;
         for (int t0 = 0; t0 < DIMV; t0 += 4) {
             const int nt = DIMV - t0 < 4 ? DIMV - t0 : 4;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int step = 0; step < key_steps; step++) {
-                const uint32_t *v = vp + (int64_t)16 * step * dim + 16 * t0;
-                _tile_loadd(4, w + 16 * step, stride * 2);
-                _tile_loadd(5, v, dim * 4);
-                _tile_dpbf16ps(0, 4, 5);
-                if (nt > 1) {
-                    _tile_loadd(6, v + 16, dim * 4);
-                    _tile_dpbf16ps(1, 4, 6);
-                }
-                if (nt > 2) {
-                    _tile_loadd(7, v + 32, dim * 4);
-                    _tile_dpbf16ps(2, 4, 7);
-                }
-                if (nt > 3) {
-                    _tile_loadd(5, v + 48, dim * 4);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-            }
-            _tile_stored(0, o[0], 64);
-            if (nt > 1) _tile_stored(1, o[1], 64);
-            if (nt > 2) _tile_stored(2, o[2], 64);
-            if (nt > 3) _tile_stored(3, o[3], 64);
+            zero_products();
+            for (int step = 0; step < key_steps; step++)
+                four_products(w + 16 * step, stride * 2, vp + (int64_t)16 * step * dim + 16 * t0,
+                              16, dim * 4, nt);
+            store_products(o[0], 256, 64, nt);
             for (int i = 0; i < tn; i++) {
                 const __m512 by_sum = _mm512_set1_ps(inv[g * tn + i]);
                 for (int t = 0; t < nt; t++)
