@@ -239,9 +239,9 @@ static int take(Share *share, int from_back) {
 static void share_item(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                        uint16_t *y, int rows, int n, int k, int silu, int threads, int owner,
                        int item) {
-    const int num_blocks = n / 32, chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
-    const int first = (int)((int64_t)num_blocks * owner / threads);
-    const int last = (int)((int64_t)num_blocks * (owner + 1) / threads);
+    const int chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
+    int first, last;
+    share_of(n / 32, owner, threads, &first, &last);
     const int panel = first + item / chunks * PANEL_BLOCKS, row0 = item % chunks * SHARE_ROWS;
     const int panel_end = panel + PANEL_BLOCKS < last ? panel + PANEL_BLOCKS : last;
     const int chunk_rows = rows - row0 < SHARE_ROWS ? rows - row0 : SHARE_ROWS;
@@ -262,8 +262,8 @@ static int matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bia
         Share shares[MAX_THREADS];
         const int chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
         for (int t = 0; t < threads; t++) {
-            const int first = (int)((int64_t)num_blocks * t / threads);
-            const int last = (int)((int64_t)num_blocks * (t + 1) / threads);
+            int first, last;
+            share_of(num_blocks, t, threads, &first, &last);
             const int panels = (last - first + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
             shares[t].range = (uint64_t)(panels * chunks) << 32;
         }

@@ -127,16 +127,20 @@ static inline f16v exp_v(f16v x) {
     return times_pow2(p, n);
 }
 
+/* Thread `thread`'s contiguous share [*first, *last) of `count` items among `threads`. */
+static inline void share_of(int count, int thread, int threads, int *first, int *last) {
+    *first = (int)((int64_t)count * thread / threads);
+    *last = (int)((int64_t)count * (thread + 1) / threads);
+}
+
 /* The calling OpenMP thread's contiguous share [*first, *last) of `count` items (all of them
  * outside a parallel region, or built without OpenMP). */
 static inline void thread_share(int count, int *first, int *last) {
 #ifdef _OPENMP
-    const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    share_of(count, omp_get_thread_num(), omp_get_num_threads(), first, last);
 #else
-    const int threads = 1, thread = 0;
+    share_of(count, 0, 1, first, last);
 #endif
-    *first = (int)((int64_t)count * thread / threads);
-    *last = (int)((int64_t)count * (thread + 1) / threads);
 }
 
 #endif
