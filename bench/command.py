@@ -165,7 +165,10 @@ def bench(
     shared_batched_tokens: Annotated[
         int, typer.Option(help="The step's budget while several tenants have work (0: no cap).")
     ] = DEFAULT_ENGINE.shared_batched_tokens or 0,
-    itl_target_ms: float | None = DEFAULT_ENGINE.itl_target_ms,
+    itl_target_ms: Annotated[
+        float,
+        typer.Option(help="The ITL target guarding the prompt work beside decodes (0: none)."),
+    ] = DEFAULT_ENGINE.itl_target_ms or 0,
     kv_cache_gb: float | None = DEFAULT_ENGINE.kv_cache_gb,
     quantum_tokens: Annotated[
         int, typer.Option(help="Scenarios: fair queuing's tokens per round per unit of weight.")
@@ -356,7 +359,7 @@ def bench(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_prefill_tokens=max_num_prefill_tokens,
         shared_batched_tokens=shared_batched_tokens or None,
-        itl_target_ms=itl_target_ms,
+        itl_target_ms=itl_target_ms or None,
         kv_cache_gb=kv_cache_gb,
         quantum_tokens=quantum_tokens,
         burst_tokens=burst_tokens,
@@ -474,7 +477,7 @@ def bench(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_prefill_tokens=max_num_prefill_tokens,
                 shared_batched_tokens=shared_batched_tokens or None,
-                itl_target_ms=itl_target_ms,
+                itl_target_ms=itl_target_ms or None,
                 kv_cache_gb=kv_cache_gb,
                 forward=forward,
                 prefix_caching=prefix_caching,

@@ -168,6 +168,7 @@ def _worker_args(run: Run, index: int, ids: dict[str, str], base, dtype: str) ->
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         "--shared-batched-tokens", str(config.shared_batched_tokens or 0),
+        "--itl-target-ms", str(config.itl_target_ms or 0),
         "--quantum-tokens", str(config.quantum_tokens), "--forward", config.forward,
     ]  # fmt: skip
     if config.burst_tokens is not None:
@@ -176,8 +177,6 @@ def _worker_args(run: Run, index: int, ids: dict[str, str], base, dtype: str) ->
         args.append("--no-prefix-caching")
     if config.max_num_prefill_tokens is not None:
         args += ["--max-num-prefill-tokens", str(config.max_num_prefill_tokens)]
-    if config.itl_target_ms is not None:
-        args += ["--itl-target-ms", str(config.itl_target_ms)]
     if config.num_kv_blocks is not None:
         args += ["--num-kv-blocks", str(config.num_kv_blocks)]
     elif config.kv_cache_gb is not None:

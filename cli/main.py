@@ -203,9 +203,11 @@ def worker(
         ),
     ] = DEFAULT_ENGINE.shared_batched_tokens or 0,
     itl_target_ms: Annotated[
-        float | None,
-        typer.Option(help="continuous: ITL target that guards the budget beside decodes."),
-    ] = None,
+        float,
+        typer.Option(
+            help="continuous: ITL target that guards the prompt work beside decodes (0: none)."
+        ),
+    ] = DEFAULT_ENGINE.itl_target_ms or 0,
     block_size: Annotated[
         int, typer.Option(help="continuous: tokens per KV block.")
     ] = DEFAULT_ENGINE.block_size,
@@ -388,7 +390,7 @@ def worker(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_prefill_tokens=max_num_prefill_tokens,
         shared_batched_tokens=shared_batched_tokens or None,
-        itl_target_ms=itl_target_ms,
+        itl_target_ms=itl_target_ms or None,
         block_size=block_size,
         kv_cache_gb=kv_cache_gb,
         num_kv_blocks=num_kv_blocks,

@@ -236,7 +236,7 @@ class ContinuousBatchingEngine:
             return self._released(self.scheduler.step_failed(out, f"{type(exc).__name__}"))
         seconds = time.perf_counter() - started_s
         self.scheduler.budget.observe(
-            out.num_batched_tokens, out.token_budget, bool(out.decodes), seconds
+            out.num_batched_tokens, out.token_budget, len(out.decodes), seconds
         )
         failed = self._take_out_failed_samples(out, sampled)
         token_ids = [NO_TOKEN if isinstance(t, SamplingFailure) else t for t in sampled]

@@ -252,11 +252,11 @@ class Scheduler:
             self.suspects.popleft()
         if self.suspects:
             return self._schedule_alone(self.suspects[0])
-        has_decodes = any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+        num_decodes = sum(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
         running_tenants = frozenset(seq.tenant_id for seq in self.running)
         out = SchedulerOutput(
             token_budget=self.budget.for_step(
-                has_decodes,
+                num_decodes,
                 self._is_shared(running_tenants, time.monotonic() if now_s is None else now_s),
                 self._num_prompt_tokens_to_compute(),
             ),

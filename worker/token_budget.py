@@ -13,11 +13,19 @@ waiting, and the engine reports each step's duration.
   few large steps, not dozens of small ones each also paying for every running decode. The
   decodes then wait on a few long steps (vLLM's CPU default takes 2,048 tokens in every
   step, backlog or not).
-- With an ITL target, a step beside decodes takes at most `guard_tokens`, learnt by
-  feedback: a step that ran over the target shrinks it in proportion, and a step that used
-  a budget as large as the guard, well under the target (below 80%), grows it by a quarter,
-  within [`MIN_TOKENS`, `prefill_tokens`]. Every decode of a step waits for the whole step,
-  so a step within the target is each of its tokens' ITL within it.
+- With an ITL target, a step beside decodes carries at most `guard_tokens` of prompt work,
+  learnt by feedback. Every decode of a step waits for the whole step, so a step within the
+  target is each of its tokens' ITL within it. A step is its decodes' time plus its prompt
+  tokens' (the latest step of decodes alone says what the decodes cost): a step that ran
+  over the target cuts the guard to the prompt tokens that fit in what the target leaves
+  beside the decodes, in proportion to the prompt part's measured cost; a step that used
+  its whole guard well under the target (below 80%) grows it by a quarter; within
+  [`MIN_TOKENS`, `prefill_tokens`]. Where the decodes alone take the target, no prompt
+  budget meets it: the guard then keeps the steady budget (`decode_tokens`), so that prompts
+  still start, rather than shrinking to nothing. The guard matters most for a backlog's
+  large steps: on this project's CPUs a 2,048-token step beside decodes is 0.3-0.6 s, the
+  ITL p99 of a burst; the default target (`itl_target_ms`, `worker/config.py`) cuts those
+  steps on a CPU and never binds on a GPU, where such a step is milliseconds.
 - While more than one tenant has work (in the batch or its queue, or had within the
   scheduler's `shared_window_s`), a step takes at most
   `shared_tokens` (`--shared-batched-tokens`): a larger step is more throughput and an
@@ -30,7 +38,7 @@ waiting, and the engine reports each step's duration.
 
 from __future__ import annotations
 
-MIN_TOKENS = 32  # a budget beside decodes never goes below this: prompts keep moving
+MIN_TOKENS = 32  # the guard never goes below this many prompt tokens: prompts keep moving
 GROW_BELOW = 0.8  # of the target: a full step this fast may take more tokens
 GROWTH = 1.25
 # Beside decodes, prompt work beyond this many steps of `decode_tokens` is a backlog that
@@ -49,31 +57,65 @@ class TokenBudget:
         self.prefill_tokens = max(decode_tokens, prefill_tokens or decode_tokens)
         self.itl_target_s = itl_target_s
         self.decode_tokens = decode_tokens
-        # The most a step beside decodes may take: learnt from the ITL target, if any,
-        # starting high (the first step over the target shrinks it in proportion).
+        # The most prompt tokens a step beside decodes may carry: learnt from the ITL target,
+        # if any, starting high (the first step over the target cuts it).
         self.guard_tokens = self.prefill_tokens
+        self.decodes_s = 0.0  # the latest step of decodes alone
         self.shared_tokens = shared_tokens
 
-    def for_step(self, has_decodes: bool, is_shared: bool = False, waiting_tokens: int = 0) -> int:
-        """The budget of a step with decodes in it or none, shared by several tenants or not,
-        with `waiting_tokens` of prompt work not yet computed (admitted or waiting)."""
-        if not has_decodes:
+    def for_step(self, num_decodes: int, is_shared: bool = False, waiting_tokens: int = 0) -> int:
+        """The budget (decodes and prompt tokens) of a step with `num_decodes` decodes, shared
+        by several tenants or not, with `waiting_tokens` of prompt work not yet computed
+        (admitted or waiting)."""
+        if not num_decodes:
             budget = self.prefill_tokens
         elif waiting_tokens > DRAIN_STEPS * self.decode_tokens:
-            budget = min(self.prefill_tokens, self.guard_tokens)
+            budget = min(self.prefill_tokens, num_decodes + self.guard_tokens)
         else:
-            budget = min(self.decode_tokens, self.guard_tokens)
+            budget = min(self.decode_tokens, num_decodes + self.guard_tokens)
         if is_shared and self.shared_tokens is not None:
             return min(budget, self.shared_tokens)
         return budget
 
-    def observe(self, num_tokens: int, budget: int, has_decodes: bool, seconds: float) -> None:
-        """A step of `num_tokens` (of `budget`) took `seconds`."""
-        if self.itl_target_s is None or not has_decodes or seconds <= 0:
+    def observe(self, num_tokens: int, budget: int, num_decodes: int, seconds: float) -> None:
+        """A step of `num_tokens` (of `budget`), `num_decodes` of them decodes, took `seconds`.
+        A step with no decodes made no ITL wait, but says what prompt tokens cost."""
+        target_s = self.itl_target_s
+        num_prompt = num_tokens - num_decodes
+        if target_s is None or seconds <= 0:
             return
-        if seconds > self.itl_target_s:
-            scaled = int(num_tokens * self.itl_target_s / seconds)
-            self.guard_tokens = max(MIN_TOKENS, min(self.guard_tokens, scaled))
-        elif num_tokens >= budget >= self.guard_tokens and seconds < GROW_BELOW * self.itl_target_s:
+        if not num_prompt:
+            self.decodes_s = seconds
+            return
+        if num_decodes and self.decodes_s >= seconds:  # out of date: decodes cost less now
+            self.decodes_s = 0.0
+        prompt_s = seconds - self.decodes_s if num_decodes else seconds
+        if seconds > target_s:
+            self.guard_tokens = min(
+                self.guard_tokens, self._prompt_tokens_within(num_prompt, prompt_s)
+            )
+        elif self._is_full_and_fast(num_tokens, budget, num_decodes, seconds):
             grown = max(self.guard_tokens + 1, int(self.guard_tokens * GROWTH))
             self.guard_tokens = min(self.prefill_tokens, grown)
+
+    def _is_full_and_fast(
+        self, num_tokens: int, budget: int, num_decodes: int, seconds: float
+    ) -> bool:
+        """A step beside decodes that used its budget, the guard's worth of prompt tokens,
+        well under the target: the guard may grow."""
+        assert self.itl_target_s is not None
+        return (
+            num_decodes > 0
+            and num_tokens >= budget
+            and num_tokens - num_decodes >= self.guard_tokens
+            and seconds < GROW_BELOW * self.itl_target_s
+        )
+
+    def _prompt_tokens_within(self, num_prompt: int, prompt_s: float) -> int:
+        """The prompt tokens that fit beside the decodes within the target, when `num_prompt`
+        of them took `prompt_s`."""
+        assert self.itl_target_s is not None
+        room_s = self.itl_target_s - self.decodes_s
+        if room_s <= 0:  # the decodes alone take the target: keep the steady budget
+            return max(MIN_TOKENS, self.decode_tokens)
+        return max(MIN_TOKENS, int(num_prompt * room_s / prompt_s))

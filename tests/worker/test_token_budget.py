@@ -14,47 +14,114 @@ from worker.token_budget import DRAIN_STEPS, MIN_TOKENS, TokenBudget
 
 def test_a_step_with_no_decodes_takes_the_prefill_budget():
     budget = TokenBudget(192, 1024, None)
-    assert budget.for_step(has_decodes=False) == 1024
-    assert budget.for_step(has_decodes=True) == 192
-    assert TokenBudget(192, None, None).for_step(has_decodes=False) == 192
+    assert budget.for_step(num_decodes=0) == 1024
+    assert budget.for_step(num_decodes=1) == 192
+    assert TokenBudget(192, None, None).for_step(num_decodes=0) == 192
 
 
-def test_beside_decodes_the_budget_follows_the_itl_target():
+def test_beside_decodes_the_prompt_work_follows_the_itl_target():
     budget = TokenBudget(192, 1024, itl_target_s=0.1)
-    budget.observe(192, 192, has_decodes=True, seconds=0.2)  # twice the target
-    assert budget.for_step(has_decodes=True) == 96
-    budget.observe(50, 96, has_decodes=True, seconds=0.01)  # fast, but the budget was not used
-    assert budget.for_step(has_decodes=True) == 96
-    budget.observe(96, 96, has_decodes=True, seconds=0.05)  # full and well under: grows
-    assert budget.for_step(has_decodes=True) == 120
-    budget.observe(120, 120, has_decodes=True, seconds=0.09)  # full, near the target: stays
-    assert budget.for_step(has_decodes=True) == 120
+    budget.observe(8, 8, num_decodes=8, seconds=0.02)  # 8 decodes alone: 20 ms
+    # 184 prompt tokens took the other 240 ms; the target leaves 80 ms beside the decodes
+    budget.observe(192, 192, num_decodes=8, seconds=0.26)
+    assert budget.guard_tokens == 184 * 80 // 240 == 61
+    assert budget.for_step(num_decodes=8) == 8 + 61
+    budget.observe(50, 69, num_decodes=8, seconds=0.01)  # fast, but the budget was not used
+    assert budget.for_step(num_decodes=8) == 69
+    budget.observe(69, 69, num_decodes=8, seconds=0.05)  # full and well under: grows
+    assert budget.for_step(num_decodes=8) == 8 + 76
+    budget.observe(84, 84, num_decodes=8, seconds=0.09)  # full, near the target: stays
+    assert budget.for_step(num_decodes=8) == 84
     for _ in range(20):  # a backlog asks for more, and full steps stay fast: the guard grows
-        step_budget = budget.for_step(has_decodes=True, waiting_tokens=10_000)
-        budget.observe(step_budget, step_budget, True, 0.01)
-    assert budget.for_step(has_decodes=True, waiting_tokens=10_000) == 1024  # the ceiling
-    assert budget.for_step(has_decodes=True) == 192  # no backlog: the small budget
-    budget.observe(1024, 1024, has_decodes=True, seconds=100.0)
-    assert budget.for_step(has_decodes=True, waiting_tokens=10_000) == MIN_TOKENS
-    budget.observe(1000, 1000, has_decodes=False, seconds=100.0)  # no decode waited on it
-    assert budget.for_step(has_decodes=True) == MIN_TOKENS
+        step_budget = budget.for_step(num_decodes=8, waiting_tokens=10_000)
+        budget.observe(step_budget, step_budget, 8, 0.01)
+    assert budget.for_step(num_decodes=8, waiting_tokens=10_000) == 1024  # the ceiling
+    assert budget.for_step(num_decodes=8) == 192  # no backlog: the small budget
+    budget.observe(1024, 1024, num_decodes=8, seconds=100.0)
+    assert budget.for_step(num_decodes=8, waiting_tokens=10_000) == 8 + MIN_TOKENS
+    budget.observe(1000, 1000, num_decodes=0, seconds=0.01)  # no decode waited on it
+    assert budget.for_step(num_decodes=8) == 8 + MIN_TOKENS
 
 
-def test_without_a_target_the_budget_beside_decodes_is_fixed():
-    budget = TokenBudget(192, 1024, None)
-    budget.observe(192, 192, has_decodes=True, seconds=10.0)
-    assert budget.for_step(has_decodes=True) == 192
-    budget.observe(1024, 1024, has_decodes=True, seconds=10.0)
-    assert budget.for_step(has_decodes=True, waiting_tokens=10_000) == 1024
+def test_a_step_with_no_decodes_sizes_the_guard_for_the_steps_after_it():
+    """A burst's first step has nothing decoding yet, so no ITL waits on it, but it says what
+    prompt tokens cost: the next step, beside the first prompts' decodes, is cut to the
+    target at once rather than after a step of the whole prefill budget."""
+    budget = TokenBudget(384, 2048, itl_target_s=0.15)
+    budget.observe(2048, 2048, num_decodes=0, seconds=0.6)
+    assert budget.guard_tokens == 512
+    assert budget.for_step(num_decodes=0) == 2048  # steps with no decodes stay large
+    assert budget.for_step(num_decodes=10, waiting_tokens=10_000) == 10 + 512
+    assert TokenBudget(384, 2048, 0.15).for_step(num_decodes=10, waiting_tokens=10_000) == 2048
+
+
+def test_a_step_over_the_target_is_cut_by_its_prompt_part_not_by_its_decodes():
+    """The decodes' share of a step does not shrink with its prompt work: a step cut in
+    proportion to its whole time would keep 819 tokens, 755 of them prompt tokens, and run
+    100 + 755 x 0.2 = 251 ms, over the target again."""
+    budget = TokenBudget(384, 2048, itl_target_s=0.2)
+    budget.observe(64, 64, num_decodes=64, seconds=0.1)  # 64 decodes alone: 100 ms
+    budget.observe(2048, 2048, num_decodes=64, seconds=0.5)  # 1,984 prompt tokens: 400 ms
+    assert budget.guard_tokens == 1984 // 4  # 100 ms of the target left: a quarter of them
+    assert budget.for_step(num_decodes=64, waiting_tokens=10_000) == 64 + 496
+
+
+def test_decodes_that_alone_take_the_target_keep_the_steady_budget():
+    """Long contexts can make the decodes alone take the ITL target: no prompt budget meets
+    it then, and starving prompts down to MIN_TOKENS would only delay every first token."""
+    budget = TokenBudget(384, 2048, itl_target_s=0.2)
+    budget.observe(32, 32, num_decodes=32, seconds=0.25)
+    budget.observe(2048, 2048, num_decodes=32, seconds=0.9)
+    assert budget.guard_tokens == 384
+    assert budget.for_step(num_decodes=32) == 384
+    assert budget.for_step(num_decodes=32, waiting_tokens=10_000) == 32 + 384
+
+
+def test_a_backlog_beside_decodes_settles_within_the_itl_target():
+    """Through the scheduler, with steps timed by a model (1 ms a decode, 0.25 ms a prompt
+    token, 3 ms fixed): a burst's prompts arrive while 24 sequences decode. Without a target
+    its steps are of 2,048 tokens (~530 ms each, every decode waiting on it); with a 150 ms
+    target every step after the first one over it is within the target (and a tenth: the
+    guard grows by a quarter after a step under 80% of it, while more sequences join the
+    decodes), and the prompts take a few more steps."""
+
+    def run(itl_target_s: float | None) -> list[tuple[int, float]]:
+        config = SchedulerConfig(
+            max_num_seqs=64,
+            max_num_batched_tokens=384,
+            max_num_prefill_tokens=2048,
+            itl_target_s=itl_target_s,
+        )
+        scheduler = Scheduler(config, KVCacheManager(2048, 16), FifoQueue(), LatestArrivalFirst())
+        for i in range(24):
+            scheduler.add(make_sequence(i, num_prompt_tokens=20, max_tokens=1000))
+        steps = []
+        while True:
+            out = scheduler.schedule()
+            num_decodes = len(out.decodes)
+            seconds = 0.003 + 0.001 * num_decodes + 0.00025 * (out.num_batched_tokens - num_decodes)
+            scheduler.budget.observe(out.num_batched_tokens, out.token_budget, num_decodes, seconds)
+            scheduler.postprocess(out, [65] * sum(chunk.is_sampling for chunk in out.chunks))
+            if len(steps) == 2:  # the 24 decode: the burst of 32 prompts comes
+                for i in range(100, 132):
+                    scheduler.add(make_sequence(i, num_prompt_tokens=250, max_tokens=1000))
+            steps.append((num_decodes, seconds))
+            if len(steps) > 2 and not scheduler._num_prompt_tokens_to_compute():
+                return steps[3:]
+
+    fixed, guarded = run(None), run(0.15)
+    assert max(seconds for _, seconds in fixed) > 0.5
+    assert max(seconds for _, seconds in guarded[1:]) <= 0.15 * 1.1
+    assert sum(s for _, s in guarded) < 1.5 * sum(s for _, s in fixed)
 
 
 def test_beside_decodes_a_backlog_of_prompt_work_takes_the_large_budget():
     budget = TokenBudget(384, 2048, None, shared_tokens=192)
     # up to DRAIN_STEPS small steps' worth is a prompt or two arriving: small steps
-    assert budget.for_step(has_decodes=True, waiting_tokens=DRAIN_STEPS * 384) == 384
-    assert budget.for_step(has_decodes=True, waiting_tokens=DRAIN_STEPS * 384 + 1) == 2048
-    assert budget.for_step(has_decodes=True, is_shared=True, waiting_tokens=10_000) == 192
-    assert TokenBudget(384, None, None).for_step(has_decodes=True, waiting_tokens=10_000) == 384
+    assert budget.for_step(num_decodes=1, waiting_tokens=DRAIN_STEPS * 384) == 384
+    assert budget.for_step(num_decodes=1, waiting_tokens=DRAIN_STEPS * 384 + 1) == 2048
+    assert budget.for_step(num_decodes=1, is_shared=True, waiting_tokens=10_000) == 192
+    assert TokenBudget(384, None, None).for_step(num_decodes=1, waiting_tokens=10_000) == 384
 
 
 def _schedule_all(scheduler: Scheduler) -> list[int]:
@@ -90,11 +157,11 @@ def test_a_burst_is_prefilled_in_few_large_steps_then_small_ones_beside_its_deco
 
 def test_a_step_shared_by_several_tenants_takes_at_most_the_shared_budget():
     budget = TokenBudget(384, 1024, None, shared_tokens=192)
-    assert budget.for_step(has_decodes=True) == 384
-    assert budget.for_step(has_decodes=True, is_shared=True) == 192
-    assert budget.for_step(has_decodes=False, is_shared=True) == 192
-    assert TokenBudget(384, None, None).for_step(has_decodes=True, is_shared=True) == 384
-    assert TokenBudget(128, None, None, 192).for_step(has_decodes=True, is_shared=True) == 128
+    assert budget.for_step(num_decodes=1) == 384
+    assert budget.for_step(num_decodes=1, is_shared=True) == 192
+    assert budget.for_step(num_decodes=0, is_shared=True) == 192
+    assert TokenBudget(384, None, None).for_step(num_decodes=1, is_shared=True) == 384
+    assert TokenBudget(128, None, None, 192).for_step(num_decodes=1, is_shared=True) == 128
 
 
 def test_the_scheduler_caps_the_step_while_another_tenant_has_work_running_or_waiting():
