@@ -375,12 +375,19 @@ class Scheduler:
     def _chunk_size(self, seq: Sequence, budget: int, step_budget: int) -> int:
         """How many of `seq`'s tokens to compute next: what is left, within the budget, and
         for a prompt chunk deep into a long prompt, within `max_prefill_attention`, which a
-        step larger than `max_num_batched_tokens` (a backlog's) scales with its budget."""
+        step larger than `max_num_batched_tokens` (a backlog's) scales as for the prefill
+        budget, whatever its own: the ITL target's guard bounds such a step by its measured
+        time, and a cap scaled down with the guard would spread the step over many long
+        prompts' small chunks, every one of their first tokens later (docs/benchmarks.md,
+        session 32)."""
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if num_new <= MIN_PREFILL_CHUNK:
             return num_new
         context = seq.num_computed_tokens + num_new
-        scale = max(1.0, step_budget / self.config.max_num_batched_tokens)
+        largest = (
+            self.budget.prefill_tokens if step_budget > self.config.max_num_batched_tokens else 0
+        )
+        scale = max(1.0, largest / self.config.max_num_batched_tokens)
         return max(
             MIN_PREFILL_CHUNK,
             min(num_new, int(self.config.max_prefill_attention * scale) // context),

@@ -16,16 +16,21 @@ waiting, and the engine reports each step's duration.
 - With an ITL target, a step beside decodes carries at most `guard_tokens` of prompt work,
   learnt by feedback. Every decode of a step waits for the whole step, so a step within the
   target is each of its tokens' ITL within it. A step is its decodes' time plus its prompt
-  tokens' (the latest step of decodes alone says what the decodes cost): a step that ran
-  over the target cuts the guard to the prompt tokens that fit in what the target leaves
-  beside the decodes, in proportion to the prompt part's measured cost; a step that used
-  its whole guard well under the target (below 80%) grows it by a quarter; within
-  [`MIN_TOKENS`, `prefill_tokens`]. Where the decodes alone take the target, no prompt
-  budget meets it: the guard then keeps the steady budget (`decode_tokens`), so that prompts
-  still start, rather than shrinking to nothing. The guard matters most for a backlog's
-  large steps: on this project's CPUs a 2,048-token step beside decodes is 0.3-0.6 s, the
-  ITL p99 of a burst; the default target (`itl_target_ms`, `worker/config.py`) cuts those
-  steps on a CPU and never binds on a GPU, where such a step is milliseconds.
+  tokens' (the latest step of decodes alone says what the decodes cost, or where a step
+  with no decodes came since, what its prompt tokens cost): a step that ran over the target
+  cuts the guard to the prompt tokens that fit in what the target leaves beside the
+  decodes, at the prompt part's measured cost; a step with no decodes (a burst's first)
+  sizes it before any decode waits; a step that used its whole guard well under the target
+  (below 80%) grows it by a quarter; within [`MIN_TOKENS`, `prefill_tokens`].
+- The target yields to the prompts where the decodes are a large part of every step (long
+  prompts beside long-context decodes): the guard keeps a step's prompt part at least
+  `MIN_PROMPT_TO_DECODES` times its decodes' part. Cutting a backlog into ever smaller steps,
+  each also paying for every decode, would stretch every waiting prompt's first token for
+  the sake of the streams' next ones; and where the decodes alone take the target, no
+  prompt budget meets it. The guard matters most for a backlog's large steps: on this
+  project's CPUs a 2,048-token step beside decodes is 0.3-0.6 s, the ITL p99 of a burst;
+  the default target (`itl_target_ms`, `worker/config.py`) cuts those steps on a CPU and
+  never binds on a GPU, where such a step is milliseconds.
 - While more than one tenant has work (in the batch or its queue, or had within the
   scheduler's `shared_window_s`), a step takes at most
   `shared_tokens` (`--shared-batched-tokens`): a larger step is more throughput and an
@@ -41,6 +46,12 @@ from __future__ import annotations
 MIN_TOKENS = 32  # the guard never goes below this many prompt tokens: prompts keep moving
 GROW_BELOW = 0.8  # of the target: a full step this fast may take more tokens
 GROWTH = 1.25
+# The ITL target never cuts a step's prompt part below this many times its decodes' part:
+# every step beside decodes also pays for them, so a backlog cut into ever smaller steps
+# would spend most of its time on decodes while its prompts wait (long prompts beside
+# long-context decodes); at 3, a backlog's prompt work keeps at least three quarters of
+# the time of every step.
+MIN_PROMPT_TO_DECODES = 3.0
 # Beside decodes, prompt work beyond this many steps of `decode_tokens` is a backlog that
 # takes the large steps.
 DRAIN_STEPS = 2
@@ -60,7 +71,11 @@ class TokenBudget:
         # The most prompt tokens a step beside decodes may carry: learnt from the ITL target,
         # if any, starting high (the first step over the target cuts it).
         self.guard_tokens = self.prefill_tokens
-        self.decodes_s = 0.0  # the latest step of decodes alone
+        # What the steps measured: the latest step of decodes alone (None: none since the
+        # latest step with no decodes), and a prompt token's time in the latest step with no
+        # decodes (None: none yet). A step's decodes' part is taken from the later of the two.
+        self.decodes_s: float | None = None
+        self.prompt_token_s: float | None = None
         self.shared_tokens = shared_tokens
 
     def for_step(self, num_decodes: int, is_shared: bool = False, waiting_tokens: int = 0) -> int:
@@ -87,16 +102,27 @@ class TokenBudget:
         if not num_prompt:
             self.decodes_s = seconds
             return
-        if num_decodes and self.decodes_s >= seconds:  # out of date: decodes cost less now
-            self.decodes_s = 0.0
-        prompt_s = seconds - self.decodes_s if num_decodes else seconds
+        if not num_decodes:
+            self.decodes_s, self.prompt_token_s = None, seconds / num_prompt
+        decodes_s = self._decodes_part(num_prompt, num_decodes, seconds)
         if seconds > target_s:
-            self.guard_tokens = min(
-                self.guard_tokens, self._prompt_tokens_within(num_prompt, prompt_s)
-            )
+            within = self._prompt_tokens_within(num_prompt, seconds - decodes_s, decodes_s)
+            self.guard_tokens = min(self.guard_tokens, within)
         elif self._is_full_and_fast(num_tokens, budget, num_decodes, seconds):
             grown = max(self.guard_tokens + 1, int(self.guard_tokens * GROWTH))
             self.guard_tokens = min(self.prefill_tokens, grown)
+
+    def _decodes_part(self, num_prompt: int, num_decodes: int, seconds: float) -> float:
+        """The decodes' share of a step's `seconds`: the latest step of decodes alone, or
+        where none came after the latest step with no decodes, what its prompt tokens'
+        cost leaves (0 before either was seen)."""
+        if not num_decodes:
+            return 0.0
+        if self.decodes_s is not None and self.decodes_s < seconds:
+            return self.decodes_s
+        if self.prompt_token_s is not None:
+            return max(0.0, seconds - num_prompt * self.prompt_token_s)
+        return 0.0
 
     def _is_full_and_fast(
         self, num_tokens: int, budget: int, num_decodes: int, seconds: float
@@ -111,11 +137,12 @@ class TokenBudget:
             and seconds < GROW_BELOW * self.itl_target_s
         )
 
-    def _prompt_tokens_within(self, num_prompt: int, prompt_s: float) -> int:
-        """The prompt tokens that fit beside the decodes within the target, when `num_prompt`
-        of them took `prompt_s`."""
+    def _prompt_tokens_within(self, num_prompt: int, prompt_s: float, decodes_s: float) -> int:
+        """The prompt tokens that fit beside `decodes_s` of decodes within the target, when
+        `num_prompt` of them took `prompt_s`; never fewer than take `MIN_PROMPT_TO_DECODES`
+        times the decodes' time (where the decodes alone take the target, no prompt budget
+        meets it: the prompts then keep three quarters of every step)."""
         assert self.itl_target_s is not None
-        room_s = self.itl_target_s - self.decodes_s
-        if room_s <= 0:  # the decodes alone take the target: keep the steady budget
-            return max(MIN_TOKENS, self.decode_tokens)
-        return max(MIN_TOKENS, int(num_prompt * room_s / prompt_s))
+        token_s = prompt_s / num_prompt
+        within = (self.itl_target_s - decodes_s) / token_s
+        return max(MIN_TOKENS, int(within), int(MIN_PROMPT_TO_DECODES * decodes_s / token_s))

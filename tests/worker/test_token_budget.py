@@ -9,7 +9,7 @@ from worker.fair_queue import FairQueue, FifoQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import LatestArrivalFirst, TenantAwarePreemption
 from worker.scheduler import Scheduler, SchedulerConfig
-from worker.token_budget import DRAIN_STEPS, MIN_TOKENS, TokenBudget
+from worker.token_budget import DRAIN_STEPS, MIN_PROMPT_TO_DECODES, MIN_TOKENS, TokenBudget
 
 
 def test_a_step_with_no_decodes_takes_the_prefill_budget():
@@ -57,24 +57,43 @@ def test_a_step_with_no_decodes_sizes_the_guard_for_the_steps_after_it():
 
 def test_a_step_over_the_target_is_cut_by_its_prompt_part_not_by_its_decodes():
     """The decodes' share of a step does not shrink with its prompt work: a step cut in
-    proportion to its whole time would keep 819 tokens, 755 of them prompt tokens, and run
-    100 + 755 x 0.2 = 251 ms, over the target again."""
+    proportion to its whole time would keep 937 tokens, 873 of them prompt tokens, and run
+    40 + 873 x 0.2 = 215 ms, over the target again."""
+    budget = TokenBudget(384, 2048, itl_target_s=0.2)
+    budget.observe(64, 64, num_decodes=64, seconds=0.04)  # 64 decodes alone: 40 ms
+    budget.observe(2048, 2048, num_decodes=64, seconds=0.4368)  # 1,984 prompt tokens: 0.2 ms
+    assert budget.guard_tokens == 800  # 160 ms of the target left
+    assert budget.for_step(num_decodes=64, waiting_tokens=10_000) == 64 + 800
+
+
+def test_the_prompts_keep_three_quarters_of_a_step_beside_costly_decodes():
+    """Where the decodes are a large part of every step (long-context decodes), the target
+    yields: a backlog's step keeps at least 3x the decodes' time for its prompt tokens, or
+    the backlog would take ever more steps, each paying for every decode again."""
+    assert MIN_PROMPT_TO_DECODES == 3
     budget = TokenBudget(384, 2048, itl_target_s=0.2)
     budget.observe(64, 64, num_decodes=64, seconds=0.1)  # 64 decodes alone: 100 ms
     budget.observe(2048, 2048, num_decodes=64, seconds=0.5)  # 1,984 prompt tokens: 400 ms
-    assert budget.guard_tokens == 1984 // 4  # 100 ms of the target left: a quarter of them
-    assert budget.for_step(num_decodes=64, waiting_tokens=10_000) == 64 + 496
+    assert budget.guard_tokens == 1488  # 300 ms of prompt tokens, not the 496 within 200 ms
+    # decodes that alone take the target: no prompt budget meets it
+    alone = TokenBudget(384, 2048, itl_target_s=0.2)
+    alone.observe(32, 32, num_decodes=32, seconds=0.25)
+    alone.observe(2048, 2048, num_decodes=32, seconds=0.9)
+    assert alone.guard_tokens == 2048
+    assert alone.for_step(num_decodes=32) == 384  # little prompt work: the steady budget
 
 
-def test_decodes_that_alone_take_the_target_keep_the_steady_budget():
-    """Long contexts can make the decodes alone take the ITL target: no prompt budget meets
-    it then, and starving prompts down to MIN_TOKENS would only delay every first token."""
+def test_without_a_step_of_decodes_alone_their_part_is_what_the_prompt_tokens_leave():
+    """During a burst's backlog every step beside decodes carries prompt work: their part is
+    what the prompt tokens' cost, from the burst's first step (no decodes), leaves."""
     budget = TokenBudget(384, 2048, itl_target_s=0.2)
-    budget.observe(32, 32, num_decodes=32, seconds=0.25)
-    budget.observe(2048, 2048, num_decodes=32, seconds=0.9)
-    assert budget.guard_tokens == 384
-    assert budget.for_step(num_decodes=32) == 384
-    assert budget.for_step(num_decodes=32, waiting_tokens=10_000) == 32 + 384
+    budget.observe(2048, 2048, num_decodes=0, seconds=0.4096)  # 0.2 ms a prompt token
+    assert budget.guard_tokens == 1000
+    budget.observe(1032, 1032, num_decodes=32, seconds=0.24)  # 200 ms of prompt, 40 of decodes
+    assert budget.guard_tokens == 800  # 160 ms of prompt tokens fit beside 40 ms of decodes
+    budget.observe(32, 32, num_decodes=32, seconds=0.02)  # decodes alone, measured: 20 ms
+    budget.observe(832, 832, num_decodes=32, seconds=0.23)  # 210 ms of prompt
+    assert budget.guard_tokens == 685  # 180 ms of 800 tokens at 210/800 ms
 
 
 def test_a_backlog_beside_decodes_settles_within_the_itl_target():
@@ -217,3 +236,29 @@ def test_a_large_step_takes_long_prompts_in_chunks_as_large_in_proportion():
         steps[prefill_tokens] = _schedule_all(scheduler)
     assert steps[512][0] == 64 * 64 * 8 // 400  # 81: the cap x 512 / 64, over 400 of context
     assert len(steps[None]) > 2 * len(steps[512])
+
+
+def test_a_guarded_backlog_step_takes_long_prompts_in_chunks_as_large_as_the_prefill_budgets():
+    """A backlog's step that the ITL target's guard made smaller keeps the chunk cap of the
+    prefill budget: the guard bounds the step by its measured time, and a cap scaled down
+    with it would share the step among several long prompts in small chunks, every one of
+    their first tokens later (a backlog of 1,000-1,800-token prompts, docs/benchmarks.md)."""
+    config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_num_prefill_tokens=512,
+        max_prefill_attention=64 * 64,
+        itl_target_s=0.1,
+    )
+    scheduler = Scheduler(config, KVCacheManager(256, 16), FifoQueue(), LatestArrivalFirst())
+    scheduler.add(make_sequence(0, num_prompt_tokens=10, max_tokens=50))
+    first = scheduler.schedule()
+    scheduler.postprocess(first, [65])  # sequence 0 decodes from now on
+    for i in (1, 2):
+        scheduler.add(make_sequence(i, num_prompt_tokens=400, max_tokens=5))
+    scheduler.budget.guard_tokens = 150  # as a step over the target would have cut it
+    out = scheduler.schedule()
+    assert out.token_budget == 1 + 150 and len(out.decodes) == 1
+    # one prompt takes the step's 150 tokens (the cap at 512: 64 x 64 x 8 / 150 = 218),
+    # where a cap scaled to the step (151 / 64) would stop it at 64 and start the other
+    assert [chunk.num_new_tokens for chunk in out.prefills] == [150]
