@@ -384,10 +384,8 @@ class Scheduler:
         if num_new <= MIN_PREFILL_CHUNK:
             return num_new
         context = seq.num_computed_tokens + num_new
-        largest = (
-            self.budget.prefill_tokens if step_budget > self.config.max_num_batched_tokens else 0
-        )
-        scale = max(1.0, largest / self.config.max_num_batched_tokens)
+        batched = self.config.max_num_batched_tokens
+        scale = self.budget.prefill_tokens / batched if step_budget > batched else 1.0
         return max(
             MIN_PREFILL_CHUNK,
             min(num_new, int(self.config.max_prefill_attention * scale) // context),

@@ -105,10 +105,12 @@ class TokenBudget:
         if not num_decodes:
             self.decodes_s, self.prompt_token_s = None, seconds / num_prompt
         decodes_s = self._decodes_part(num_prompt, num_decodes, seconds)
+        # beside decodes, the whole budget used, the guard's worth of prompt tokens in it
+        is_full = num_decodes > 0 and num_tokens >= budget and num_prompt >= self.guard_tokens
         if seconds > target_s:
-            within = self._prompt_tokens_within(num_prompt, seconds - decodes_s, decodes_s)
+            within = _prompt_tokens_within(target_s, num_prompt, seconds - decodes_s, decodes_s)
             self.guard_tokens = min(self.guard_tokens, within)
-        elif self._is_full_and_fast(num_tokens, budget, num_decodes, seconds):
+        elif is_full and seconds < GROW_BELOW * target_s:  # well under the target: grow
             grown = max(self.guard_tokens + 1, int(self.guard_tokens * GROWTH))
             self.guard_tokens = min(self.prefill_tokens, grown)
 
@@ -124,25 +126,14 @@ class TokenBudget:
             return max(0.0, seconds - num_prompt * self.prompt_token_s)
         return 0.0
 
-    def _is_full_and_fast(
-        self, num_tokens: int, budget: int, num_decodes: int, seconds: float
-    ) -> bool:
-        """A step beside decodes that used its budget, the guard's worth of prompt tokens,
-        well under the target: the guard may grow."""
-        assert self.itl_target_s is not None
-        return (
-            num_decodes > 0
-            and num_tokens >= budget
-            and num_tokens - num_decodes >= self.guard_tokens
-            and seconds < GROW_BELOW * self.itl_target_s
-        )
 
-    def _prompt_tokens_within(self, num_prompt: int, prompt_s: float, decodes_s: float) -> int:
-        """The prompt tokens that fit beside `decodes_s` of decodes within the target, when
-        `num_prompt` of them took `prompt_s`; never fewer than take `MIN_PROMPT_TO_DECODES`
-        times the decodes' time (where the decodes alone take the target, no prompt budget
-        meets it: the prompts then keep three quarters of every step)."""
-        assert self.itl_target_s is not None
-        token_s = prompt_s / num_prompt
-        within = (self.itl_target_s - decodes_s) / token_s
-        return max(MIN_TOKENS, int(within), int(MIN_PROMPT_TO_DECODES * decodes_s / token_s))
+def _prompt_tokens_within(
+    target_s: float, num_prompt: int, prompt_s: float, decodes_s: float
+) -> int:
+    """The prompt tokens that fit beside `decodes_s` of decodes within `target_s`, when
+    `num_prompt` of them took `prompt_s`; never fewer than take `MIN_PROMPT_TO_DECODES` times
+    the decodes' time (where the decodes alone take the target, no prompt budget meets it:
+    the prompts then keep three quarters of every step)."""
+    token_s = prompt_s / num_prompt
+    within = (target_s - decodes_s) / token_s
+    return max(MIN_TOKENS, int(within), int(MIN_PROMPT_TO_DECODES * decodes_s / token_s))
