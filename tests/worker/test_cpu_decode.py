@@ -16,6 +16,7 @@ from tests.reference import assert_within_rounding_of_torch, bf16_matmul_case
 from worker.runner import cpu_decode, cpu_kernels, llama
 from worker.runner.cpu_decode import DecodeLayers
 from worker.runner.model_runner import ModelRunner
+from worker.runner.paged_attention import decode_group
 
 _library = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
@@ -90,6 +91,28 @@ def test_the_decode_layers_are_the_fused_forward_bit_for_bit():
         rows_seen |= {step.shape[0] for step in logits}
         assert (preempted > 0) == (num_blocks == 14)
     assert rows_seen >= {1, 3, 4, 6}
+
+
+def test_a_token_outside_the_embedding_fails_the_step_and_writes_nothing():
+    """The C step reads the embedding at each token id: one past its rows is refused before
+    anything is read or written (as `F.embedding` raises for it)."""
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1, vocab_size=512)
+    loaded.model.to(torch.bfloat16)
+    runner = ModelRunner(loaded, 8, 4, "own")
+    forward = runner._forward
+    assert forward is not None and forward.decode_layers is not None
+    k_pool, v_pool = runner._k_pool.clone(), runner._v_pool.clone()
+    cos, sin = forward._rope(torch.tensor([3]))
+    group = decode_group(0, torch.tensor([[0]]), torch.tensor([4]))
+    with pytest.raises(IndexError):
+        forward.decode_layers.step(
+            torch.tensor([512]), cos, sin, torch.tensor([3]), k_pool, v_pool, [group]
+        )
+    assert torch.equal(k_pool, runner._k_pool) and torch.equal(v_pool, runner._v_pool)
+    logits = forward.decode_layers.step(
+        torch.tensor([511]), cos, sin, torch.tensor([3]), k_pool, v_pool, [group]
+    )
+    assert logits.shape == (1, 512) and not torch.equal(k_pool, runner._k_pool)
 
 
 @pytest.mark.skipif(

@@ -13,6 +13,7 @@ from worker.engine import ContinuousBatchingEngine
 from worker.fair_queue import FairQueue
 from worker.kv_cache import KVCacheManager
 from worker.preemption import TenantAwarePreemption
+from worker.runner import llama
 from worker.runner.llama import LlamaForward
 from worker.runner.model_runner import ModelRunner
 from worker.scheduler import Scheduler, SchedulerConfig
@@ -74,6 +75,37 @@ def test_auto_picks_the_own_forward_for_the_llama_family(loaded, tiny_loaded):
     assert LlamaForward.supports(loaded.model)
     assert ModelRunner(tiny_loaded, 8, 4)._forward is not None
     assert ModelRunner(tiny_loaded, 8, 4, "hf")._forward is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_rope_table_is_the_rotary_modules_output_bit_for_bit(monkeypatch, dtype):
+    """A row of the table is what HF's rotary module gives for that position alone, at the
+    positions a step has, and a step past the table's end calls the module."""
+    import torch
+
+    loaded = tiny_model.attentive("llama")  # max_position_embeddings 2048
+    loaded.model.to(getattr(torch, dtype))
+    monkeypatch.setattr(llama, "ROPE_TABLE_POSITIONS", 1024)
+    forward = LlamaForward(loaded.model)
+    assert forward._rope_table is not None and forward._rope_table[0].shape[0] == 1024
+    calls = []
+    rotary = forward.rotary
+    forward.rotary = lambda x, positions: calls.append(positions) or rotary(x, positions)
+    for positions in ([0], [1023], [5, 900, 17, 1000, 3], list(range(300, 364))):
+        at = torch.tensor(positions)
+        expected_cos, expected_sin = rotary(forward.embed, at[None])
+        cos, sin = forward._rope(at)
+        assert torch.equal(cos, expected_cos[0]) and torch.equal(sin, expected_sin[0])
+    assert calls == []  # all from the table
+    past = torch.tensor([1000, 1024, 1500])
+    cos, _ = forward._rope(past)
+    assert len(calls) == 1 and torch.equal(cos, rotary(forward.embed, past[None])[0][0])
+
+
+def test_no_rope_table_where_the_frequencies_follow_the_length():
+    loaded = tiny_model.attentive("llama")
+    loaded.model.model.rotary_emb.rope_type = "dynamic"
+    assert LlamaForward(loaded.model)._rope_table is None
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,15 @@
-"""A decode step of a few sequences (1-8; where the tiled matmuls run, any number) through every
-decoder layer in one C call.
+"""A decode step of a few sequences (1-8; where the tiled matmuls run, any number) in one C call,
+from its tokens to its logits.
 
 At one sequence a layer of the default model streams its 7 MB of weights in about a quarter
 of a millisecond, and the Python between the kernels (the forward's glue, each kernel's
 argument conversion, each torch op's dispatch and allocation) added close to half of that
 again. `csrc/decode_layers.c` calls the same kernels in the same order as `llama.py`'s
 fused forward, so its results are that forward's bit for bit
-(tests/worker/test_cpu_decode.py); the weights' addresses are gathered once, here.
+(tests/worker/test_cpu_decode.py); the weights' addresses are gathered once, here. The call
+also takes the step's embedding, the norms around the layers and the LM head: from Python they
+were cheap ops each, but they ran with caches the step's weights had just swept, about 0.15 ms
+of a 10 ms step at one sequence (docs/benchmarks.md, session 33).
 
 Where the weights are also packed in AMX's tile layout (`llama._Linear.tiled_weight`), the
 matmuls of any number of rows have a kernel (`csrc/amx_matmul.c` on a CPU with AMX; past the
@@ -58,16 +61,16 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.POINTER(_LayerWeights)), *[(name, _I) for name in (
         "num_layers", "hidden", "inter", "heads", "kv_heads", "dim", "num_blocks", "block_size"
     )], ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("tiled", _I),
-        ("tiled_from", _I)]  # fmt: skip
+        ("tiled_from", _I), ("embed", _P), ("norm", _P), ("lm_head", _Weight),
+        ("embed_rows", _I), ("vocab", _I)]  # fmt: skip
 
 
 class DecodeLayers:
-    """`run(hidden, x, ...)`: every layer of a decode step of at most `max_rows` sequences."""
+    """`step(input_ids, ...)`: the logits of a decode step of at most `max_rows` sequences."""
 
     def __init__(self, library: ctypes.CDLL, forward: Any, max_rows: int, tiled: int) -> None:
         self._library = library
         self.max_rows = max_rows
-        self._lm_head = forward.lm_head
         self._weights = (_LayerWeights * len(forward.layers))()
 
         def matrix(linear: Any) -> _Weight:  # the weight as the C matmuls read it
@@ -83,21 +86,18 @@ class DecodeLayers:
             entry.gate_up = matrix(layer.gate_up)
             entry.down = matrix(layer.down)
         hidden, inter = forward.embed.shape[1], forward.layers[0].down.weight.shape[1]
-        # num_blocks and block_size are each step's pool's, set by `run`
+        self.vocab_size = forward.lm_head.weight.shape[0]
+        # num_blocks and block_size are each step's pool's, set by `step`
         self._model = _Model(
             self._weights, len(forward.layers), hidden, inter, forward.num_heads,
             forward.num_kv_heads, forward.head_dim, 0, 0, forward.eps, forward.scaling, tiled,
             1 if tiled == _TILED_AMX else forward.lm_head.max_few_rows + 1,
+            forward.embed.data_ptr(), forward.norm.data_ptr(), matrix(forward.lm_head),
+            forward.embed.shape[0], self.vocab_size,
         )  # fmt: skip
         width = (3 * forward.num_heads + 2 * forward.num_kv_heads) * forward.head_dim
-        self._scratch_per_row = width + hidden + 3 * inter
-
-    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head of the step's decodes, with the layers' choice of matmul."""
-        model = self._model
-        if model.tiled == _TILED_PAIRS and len(x) >= model.tiled_from:
-            return self._lm_head.matmul_pairs(x)
-        return self._lm_head(x)
+        # the layers' scratch, and the residual stream and its norm
+        self._scratch_per_row = width + hidden + 3 * inter + 2 * hidden
 
     @classmethod
     def for_forward(cls, forward: Any) -> DecodeLayers | None:
@@ -108,6 +108,8 @@ class DecodeLayers:
             return None
         library = load()
         if library is None or not forward.layers:
+            return None
+        if not forward.norm.is_contiguous() or forward.norm.dtype != torch.bfloat16:
             return None
         linears = [forward.lm_head] + [
             linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -126,29 +128,34 @@ class DecodeLayers:
             return None
         return cls(library, forward, max_rows, tiled)
 
-    def run(
+    def step(
         self,
-        hidden: torch.Tensor,  # [rows, hidden]: the embedded tokens; the residual stream after
-        x: torch.Tensor,  # the first layer's input norm of hidden
+        input_ids: torch.Tensor,  # [rows] int64
         cos: torch.Tensor,  # [rows, head_dim], contiguous
         sin: torch.Tensor,
         slot_mapping: torch.Tensor,  # [rows] int64, contiguous
         k_pool: torch.Tensor,  # [layers, kv_heads, blocks, block_size, head_dim], contiguous
         v_pool: torch.Tensor,
         groups: list[DecodeGroup],  # each with its int32 tables and lengths (the CPU's)
-    ) -> None:
-        rows, model = hidden.shape[0], self._model
+    ) -> torch.Tensor:
+        """The step's logits, [rows, vocab]."""
+        rows, model = input_ids.shape[0], self._model
         _, _, model.num_blocks, model.block_size, _ = k_pool.shape
         entries = (_Group * len(groups))()
         for entry, group in zip(entries, groups, strict=True):
             entry.tables, entry.lengths = group.tables.data_ptr(), group.lengths.data_ptr()
             entry.query_start, entry.rows = group.query_start, group.query_end - group.query_start
             entry.max_blocks = group.tables.shape[1]
-        scratch = hidden.new_empty(rows * self._scratch_per_row)
-        status = self._library.decode_layers(
-            ctypes.byref(model), hidden.data_ptr(), x.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), slot_mapping.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-            entries, len(groups), rows, scratch.data_ptr(),
+        input_ids = input_ids.to(torch.int64).contiguous()
+        scratch = cos.new_empty(rows * self._scratch_per_row)
+        logits = cos.new_empty(rows, self.vocab_size)
+        status = self._library.decode_step(
+            ctypes.byref(model), input_ids.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slot_mapping.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), entries, len(groups),
+            rows, scratch.data_ptr(), logits.data_ptr(),
         )  # fmt: skip
+        if status == -4:
+            raise IndexError("a token id outside the embedding")
         if status != 0:
-            raise RuntimeError(f"decode_layers failed ({status})")
+            raise RuntimeError(f"decode_step failed ({status})")
+        return logits

@@ -5,7 +5,7 @@ The sources are in `csrc/` (`paged_attention.c`: attention over the paged KV cac
 `cpu_layer_ops.py`; `few_rows.c`: bf16 matmuls of a few rows, `amx_matmul.c` and
 `pair_matmul.c`: bf16 matmuls over weights packed in AMX's tile layout, with AMX's tiles or
 AVX512-BF16's dot products, `llama.py`'s `_Linear`;
-`decode_layers.c`: every layer of a decode step of a few sequences, `cpu_decode.py`;
+`decode_layers.c`: a decode step of a few sequences, tokens to logits, `cpu_decode.py`;
 `vec.h`: the vector type and helpers they use). The system's C compiler builds them into one library in a cache
 directory (`LLMFLEET_KERNEL_CACHE`, else `~/.cache/llmfleet/kernels`; the file is named by a
 hash of the sources, the flags and the CPU's feature flags, since it is built for the CPU it
@@ -62,7 +62,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "rope_write": ((*[_P] * 6, *[_I] * 6), None),
     "few_rows_available": ((), _I),
     "matmul_few_rows": ((*[_P] * 4, *[_I] * 3), _I),
-    "decode_layers": ((*[_P] * 9, _I, _I, _P), _I),
+    "decode_step": ((*[_P] * 8, _I, _I, _P, _P), _I),
     "amx_available": ((), _I),
     "amx_pack": ((_P, _P, _I, _I), None),
     "amx_matmul": ((*[_P] * 4, *[_I] * 3), _I),

@@ -207,6 +207,7 @@ class LlamaForward:
         self.norm = decoder.norm.weight
         self.lm_head = _Linear(model.lm_head.weight.detach())
         self.rotary = decoder.rotary_emb  # HF's, so every RoPE scaling type is as HF has it
+        self._rope_table = _rope_table(self.rotary, self.embed, config.max_position_embeddings)
         self.layers = [_fuse(layer) for layer in decoder.layers]
         linears = [self.lm_head] + [
             linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -254,11 +255,22 @@ class LlamaForward:
         step: StepMetadata,
         keep: torch.Tensor,  # rows whose logits are wanted
     ) -> torch.Tensor:
+        cos, sin = self._rope(positions)  # [num_tokens, head_dim]
+        decode_layers = self.decode_layers
+        if (
+            decode_layers is not None
+            and not step.prefills
+            and len(input_ids) <= decode_layers.max_rows
+            and len(keep) == len(input_ids)  # every row's logits (`keep` has no repeats)
+        ):
+            slot_mapping = step.slot_mapping.to(torch.int64).contiguous()
+            return decode_layers.step(
+                input_ids, cos, sin, slot_mapping, k_pool, v_pool, step.decode_groups
+            )
         hidden = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary(hidden, positions[None])
         if self.ops is not None:
-            return self._fused_forward(hidden, cos[0], sin[0], k_pool, v_pool, step, keep)
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [num_tokens, 1, head_dim]
+            return self._fused_forward(hidden, cos, sin, k_pool, v_pool, step, keep)
+        cos, sin = cos[:, None], sin[:, None]  # [num_tokens, 1, head_dim]
         num_q = self.num_heads * self.head_dim
         num_kv = self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
@@ -281,6 +293,16 @@ class LlamaForward:
         hidden = _rms_norm(hidden.index_select(0, keep), self.norm, self.eps)
         return self.lm_head(hidden)
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions`, [num_tokens, head_dim] each: HF's rotary module's, read
+        from a table of them where it has one (a step's rotary call, about 20 us on its own,
+        cost ~0.15 ms in the caches a decode step's weights had swept; session 33)."""
+        table = self._rope_table
+        if table is not None and len(positions) and int(positions.max()) < table[0].shape[0]:
+            return table[0][positions], table[1][positions]
+        cos, sin = self.rotary(self.embed, positions[None])
+        return cos[0], sin[0]
+
     def _fused_forward(
         self,
         hidden: torch.Tensor,
@@ -298,31 +320,49 @@ class LlamaForward:
         slot_mapping = step.slot_mapping.to(torch.int64).contiguous()
         num_q = self.num_heads * self.head_dim
         x = ops.rms_norm(hidden, self.layers[0].input_norm, self.eps)
-        decode_layers = self.decode_layers
-        if (
-            decode_layers is not None
-            and not step.prefills
-            and len(hidden) <= decode_layers.max_rows
-        ):
-            decode_layers.run(hidden, x, cos, sin, slot_mapping, k_pool, v_pool, step.decode_groups)
-            return decode_layers.lm_head(
-                ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps)
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(x)
+            ops.rope_write(
+                qkv, cos, sin, self.num_heads, k_pool[index], v_pool[index], slot_mapping
             )
-        else:
-            for index, layer in enumerate(self.layers):
-                qkv = layer.qkv(x)
-                ops.rope_write(
-                    qkv, cos, sin, self.num_heads, k_pool[index], v_pool[index], slot_mapping
-                )
-                q = qkv[:, :num_q].view(-1, self.num_heads, self.head_dim)
-                out = attend(q.transpose(0, 1), k_pool[index], v_pool[index], step, self.scaling)
-                x = ops.add_rms_norm(hidden, layer.o(out.flatten(1)), layer.post_norm, self.eps)
-                delta = layer.down(layer.gate_up.silu_mul(x, ops))
-                if index + 1 < len(self.layers):
-                    x = ops.add_rms_norm(hidden, delta, self.layers[index + 1].input_norm, self.eps)
-                else:
-                    hidden += delta
+            q = qkv[:, :num_q].view(-1, self.num_heads, self.head_dim)
+            out = attend(q.transpose(0, 1), k_pool[index], v_pool[index], step, self.scaling)
+            x = ops.add_rms_norm(hidden, layer.o(out.flatten(1)), layer.post_norm, self.eps)
+            delta = layer.down(layer.gate_up.silu_mul(x, ops))
+            if index + 1 < len(self.layers):
+                x = ops.add_rms_norm(hidden, delta, self.layers[index + 1].input_norm, self.eps)
+            else:
+                hidden += delta
         return self.lm_head(ops.rms_norm(hidden.index_select(0, keep), self.norm, self.eps))
+
+
+# A RoPE table covers at most this many positions (4 MB for a head of 64 in bf16); a step
+# past it calls the rotary module.
+ROPE_TABLE_POSITIONS = 16384
+
+
+def _rope_table(
+    rotary: Any, like: torch.Tensor, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """HF's rotary module's cos and sin at every position up to `max_positions` (capped at
+    `ROPE_TABLE_POSITIONS`), computed by the module itself: per position they are its
+    element-wise ops on that position alone, so a row of the table is, bit for bit, what it
+    gives for that position (tests/worker/test_llama_forward.py). None for the RoPE types
+    whose frequencies change with the sequence's length (`dynamic`, `longrope`), and off the
+    CPU: a GPU's decode graphs capture the module's ops, where the table's bound check would
+    read the positions back to the host."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or "longrope" in rope_type:
+        return None
+    if like.device.type != "cpu":
+        return None
+    num_positions = min(max_positions or 0, ROPE_TABLE_POSITIONS)
+    if num_positions < 1:
+        return None
+    positions = torch.arange(num_positions, device=like.device)[None]
+    with torch.inference_mode():
+        cos, sin = rotary(like, positions)
+    return cos[0].contiguous(), sin[0].contiguous()
 
 
 def _fuse(layer: Any) -> _Layer:

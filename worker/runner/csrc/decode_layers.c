@@ -1,9 +1,11 @@
-/* Every decoder layer of a decode step of a few sequences (1-8; where the tiled matmuls run, any number)
- * in one call: what `llama.py`'s fused forward does layer by layer from Python, here with no
- * Python between the kernels. At one sequence a layer's weights stream in about a quarter of
- * a millisecond, and the forward's Python glue, the kernels' argument conversion and each
- * torch op's dispatch added close to half of that again (docs/benchmarks.md, "Few-row
- * matmuls").
+/* A decode step of a few sequences (1-8; where the tiled matmuls run, any number) in one call,
+ * from its tokens to its logits: the embedding, every decoder layer, the final norm and the LM
+ * head. That is what `llama.py`'s fused forward does from Python, here with no Python between
+ * the kernels. At one sequence a layer's weights stream in about a quarter of a millisecond,
+ * and the forward's Python glue, the kernels' argument conversion and each torch op's
+ * dispatch added close to half of that again (docs/benchmarks.md, "Few-row matmuls"); the
+ * Python around the layers (the embedding, the norms, the LM head's call: cheap on their own)
+ * ran with caches the step's weights had just swept, at about 0.15 ms a step (session 33).
  *
  * The kernels are this library's own, called in the order `_fused_forward` calls them, so
  * the results are that forward's bit for bit: the matmuls (`few_rows.c`; where `Model.tiled` is
@@ -27,6 +29,8 @@ int paged_decode(const void *q, const void *k_pool, const void *v_pool, const in
                  const int32_t *lengths, void *out, int rows, int heads, int kv_heads,
                  int num_blocks, int block_size, int dim, int max_blocks, int is_bf16,
                  float scale);
+void rms_norm(const void *x, const void *weight, void *out, int rows, int dim, float eps,
+              int is_bf16);
 void add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int rows,
                   int dim, float eps, int is_bf16);
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16);
@@ -54,6 +58,9 @@ typedef struct {
     float eps, scale;
     int tiled;      /* 0: the few-row matmuls only; TILED_AMX: amx_matmul; TILED_PAIRS: pair_matmul */
     int tiled_from; /* from this many rows on, the tiled matmul; below, the few-row one */
+    const uint16_t *embed, *norm; /* [embed_rows, hidden]; the final norm's [hidden] */
+    Weight lm_head;               /* [vocab, hidden] */
+    int embed_rows, vocab;
 } Model;
 
 enum { TILED_AMX = 1, TILED_PAIRS = 2 };
@@ -114,4 +121,24 @@ int decode_layers(const Model *m, uint16_t *hidden, uint16_t *x, const uint16_t 
         }
     }
     return 0;
+}
+
+/* token_ids [rows] in, logits [rows, vocab] out; the rest as `decode_layers`, with scratch
+ * for 2 * rows * hidden more values (the residual stream and its norm). -4: a token id
+ * outside the embedding. */
+int decode_step(const Model *m, const int64_t *token_ids, const uint16_t *cos, const uint16_t *sin,
+                const int64_t *slots, uint16_t *k_pool, uint16_t *v_pool, const Group *groups,
+                int num_groups, int rows, uint16_t *scratch, uint16_t *logits) {
+    const int hd = m->hidden;
+    uint16_t *hidden = scratch, *x = hidden + (int64_t)rows * hd;
+    for (int r = 0; r < rows; r++) { /* the embedding */
+        if (token_ids[r] < 0 || token_ids[r] >= m->embed_rows) return -4;
+        memcpy(hidden + (int64_t)r * hd, m->embed + token_ids[r] * hd, (size_t)hd * 2);
+    }
+    rms_norm(hidden, m->layers[0].input_norm, x, rows, hd, m->eps, 1);
+    const int status = decode_layers(m, hidden, x, cos, sin, slots, k_pool, v_pool, groups,
+                                     num_groups, rows, x + (int64_t)rows * hd);
+    if (status) return status;
+    rms_norm(hidden, m->norm, x, rows, hd, m->eps, 1);
+    return matmul(m, x, m->lm_head, NULL, logits, rows, m->vocab, hd);
 }
