@@ -27,6 +27,7 @@ TORCH_ALLOWED = (
     "bench.kv_transfer",
     "bench.prompt_attention",
     "bench.matmul_share",
+    "bench.few_rows_stream",
 )
 
 

@@ -1,0 +1,151 @@
+"""A batch-1 decode step's matmuls (the few-row kernel at one row of x, `csrc/few_rows.c`)
+against a plain read of the same weights, alternating in one process, and against another
+build of the kernels where one is given: the default model's 30 layers (fused QKV, o, gate-up,
+down) and its LM head, 269 MB of bf16 weights in huge pages, streamed from memory.
+
+On a shared host the memory's rate moves from second to second (docs/benchmarks.md: 32 to 58
+GB/s within a minute on an AMD EPYC host), so the sides take turns, each round in another
+order, and the figures are per side over the same rounds.
+
+    python -m bench.few_rows_stream --json bench/results/few-rows-stream-cpu.json
+    # against the kernels of another commit, built by its own tree into a cache of its own:
+    git worktree add /tmp/wt-base BASE
+    (cd /tmp/wt-base && LLMFLEET_KERNEL_CACHE=/tmp/base-kernels python -c \\
+        "from worker.runner import cpu_kernels; cpu_kernels.load()")
+    python -m bench.few_rows_stream --baseline /tmp/base-kernels/*.so --json ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from datetime import UTC, datetime
+
+import torch
+
+from bench import report
+from worker.runner import host_memory
+from worker.runner.cpu_kernels import load
+from worker.runner.loader import cpu_flags
+
+HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # the default model's
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [
+    (VOCAB, HIDDEN)
+]
+
+
+def _weights() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One arena in huge pages holding every matrix, in a decode step's order."""
+    total = sum(n * k for n, k in SHAPES)
+    arena = host_memory.zeros((total,), torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    matrices, start = [], 0
+    for n, k in SHAPES:
+        view = arena[start : start + n * k].view(n, k)
+        view.copy_((torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16))
+        matrices.append(view)
+        start += n * k
+    return arena, matrices
+
+
+def _matmuls(library: ctypes.CDLL, matrices, x: torch.Tensor, y: torch.Tensor) -> float:
+    started = time.perf_counter()
+    for w in matrices:
+        n, k = w.shape
+        failed = library.matmul_few_rows(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, n, k)
+        if failed:
+            raise RuntimeError(f"matmul_few_rows failed ({failed})")
+    return time.perf_counter() - started
+
+
+def _plain_read(arena: torch.Tensor) -> float:
+    flat = arena.view(torch.float32)  # as the roofline's probe reads (bench/roofline.py)
+    started = time.perf_counter()
+    flat.sum()
+    return time.perf_counter() - started
+
+
+def measure(rounds: int, baseline: str | None) -> dict:
+    library = load()
+    if library is None or not library.few_rows_available():
+        raise RuntimeError("the few-row kernel needs a C compiler and a CPU with AVX512-BF16")
+    sides = {"kernel": library}
+    if baseline:
+        other = ctypes.CDLL(baseline)  # its own symbols (ctypes loads with RTLD_LOCAL)
+        other.matmul_few_rows.argtypes = library.matmul_few_rows.argtypes
+        other.matmul_few_rows.restype = ctypes.c_int
+        sides["baseline"] = other
+    arena, matrices = _weights()
+    num_bytes = arena.numel() * arena.element_size()
+    x = (torch.randn(1, INTER) * 0.5).to(torch.bfloat16)
+    outputs = {name: torch.empty(1, VOCAB, dtype=torch.bfloat16) for name in sides}
+    for name, lib in sides.items():  # warm-up, and the two builds' outputs compared
+        _matmuls(lib, matrices, x, outputs[name])
+    _plain_read(arena)
+    names = ["plain read", *sides]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        order = names[index % len(names) :] + names[: index % len(names)]
+        for name in order:
+            if name == "plain read":
+                times[name].append(_plain_read(arena))
+            else:
+                times[name].append(_matmuls(sides[name], matrices, x, outputs[name]))
+    result: dict = {"bytes": num_bytes, "rounds": rounds, "sides": {}}
+    for name in names:
+        rates = [num_bytes / t / 1e9 for t in times[name]]
+        result["sides"][name] = {
+            "mean_gb_per_s": num_bytes / statistics.mean(times[name]) / 1e9,
+            "median_gb_per_s": statistics.median(rates),
+            "best_gb_per_s": max(rates),
+            "of_plain_read_median": statistics.median(
+                p / t for p, t in zip(times["plain read"], times[name], strict=True)
+            ),
+        }
+    if baseline:
+        result["kernel_over_baseline_median"] = statistics.median(
+            b / k for k, b in zip(times["kernel"], times["baseline"], strict=True)
+        )
+        result["same_bits"] = torch.equal(outputs["kernel"], outputs["baseline"])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--baseline", help="another build of the kernels (a .so) to compare")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    result = measure(args.rounds, args.baseline)
+    print(
+        f"{result['bytes'] / 1e6:.0f} MB a pass, {args.rounds} rounds, {torch.get_num_threads()} threads"
+    )
+    for name, side in result["sides"].items():
+        print(
+            f"{name:11s} mean {side['mean_gb_per_s']:5.1f} GB/s  median {side['median_gb_per_s']:5.1f}"
+            f"  best {side['best_gb_per_s']:5.1f}  (median of the rounds' ratios to the plain read:"
+            f" {side['of_plain_read_median']:.2f})"
+        )
+    if args.baseline:
+        print(
+            f"kernel / baseline speed, median of the rounds: "
+            f"{result['kernel_over_baseline_median']:.3f}; same bits: {result['same_bits']}"
+        )
+    if args.json:
+        report.write_json(
+            args.json,
+            {
+                "created_at": datetime.now(UTC).isoformat(),
+                "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
+                "threads": torch.get_num_threads(),
+                "baseline": args.baseline,
+                **result,
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()
