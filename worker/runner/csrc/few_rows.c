@@ -87,10 +87,11 @@ static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t
                                                      load_pairs(x + (int64_t)r * k + i + 32 * a));
             }
         /* the last 32-96 of the row, each into the sum it went to before (a % S): a loop of
-         * three, unrolled, so that every sum's index is a constant. With a running index the
-         * sums lived on the stack, a store and a load around each dot product: at one row of
-         * x the weights streamed at 37-38 GB/s where the memory gave 48-49 to a plain read
-         * and 43-44 to this kernel (an AMD EPYC host, session 33). */
+         * three, unrolled, so that every sum's index is a constant. With a running index GCC
+         * kept the sums on the stack, a store and a load around each dot product: a batch-1
+         * step's matmuls read 0.59 of what a plain read of the same weights did where an AMD
+         * EPYC host's memory was fast, 0.70 without (1.00-1.07x where it was slow;
+         * `bench/few_rows_stream.py`, docs/benchmarks.md, session 33). */
         for (int a = 0; a < 3 && i + 32 * a < k; a++) {
             const __m512bh wa = load_pairs_ahead(wj + i + 32 * a);
             for (int r = 0; r < ROWS; r++)
