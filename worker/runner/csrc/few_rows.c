@@ -37,8 +37,16 @@ static inline int omp_thread(void) { return 0; }
 
 int few_rows_available(void) { return MAX_ROWS; }
 
-/* 3-4 KB ahead streamed fastest of 0.5-4 KB (T1: into L2; T0 was slower, NTA half as fast) */
+/* On an Intel Xeon 3-4 KB ahead streamed fastest of 0.5-4 KB (T1: into L2; T0 was slower, NTA
+ * half as fast; session 26). On an AMD EPYC (Zen 4, which GCC 12's -march=native calls znver3)
+ * 2 KB ahead read a batch-1 step's weights 3% faster than 3 KB (the median of seven runs,
+ * from 2% slower to 8% faster, the gains where its memory was fast), 4-6 KB 4-7% slower
+ * (`bench/few_rows_stream.py`, session 33). */
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define PREFETCH_AHEAD 2048
+#else
 #define PREFETCH_AHEAD 3072
+#endif
 
 /* Where J rows of w are read side by side (dot_group), each line is asked for at least 8 KB
  * ahead, at the same place in a later group's row: on an AMD EPYC host the layers' matmuls of
