@@ -21,14 +21,12 @@ import argparse
 import ctypes
 import statistics
 import time
-from datetime import UTC, datetime
 
 import torch
 
-from bench import report
+from bench import kernel_run, report
 from worker.runner import host_memory
 from worker.runner.cpu_kernels import load
-from worker.runner.loader import cpu_flags
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # the default model's
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [
@@ -138,9 +136,7 @@ def main() -> None:
         report.write_json(
             args.json,
             {
-                "created_at": datetime.now(UTC).isoformat(),
-                "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
-                "threads": torch.get_num_threads(),
+                **kernel_run.header(),
                 "baseline": args.baseline,
                 **result,
             },

@@ -15,13 +15,11 @@ import argparse
 import multiprocessing
 import statistics
 import time
-from datetime import UTC, datetime
 
 import torch
 
-from bench import report
+from bench import kernel_run, report
 from worker.runner.cpu_kernels import amx_matmuls_available, load
-from worker.runner.loader import cpu_flags
 
 HIDDEN, INTER, QKV = 576, 1536, 960  # the default model's (9 heads, 3 KV heads of 64)
 ROWS = [1, 8, 16, 32, 64, 192, 384, 1024, 2048]
@@ -132,9 +130,7 @@ def main() -> None:
         report.write_json(
             args.json,
             {
-                "created_at": datetime.now(UTC).isoformat(),
-                "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
-                "threads": torch.get_num_threads(),
+                **kernel_run.header(),
                 "busy": args.busy,
                 "rounds": args.rounds,
                 "rows": rows,

@@ -28,6 +28,7 @@ TORCH_ALLOWED = (
     "bench.prompt_attention",
     "bench.matmul_share",
     "bench.few_rows_stream",
+    "bench.kernel_run",
 )
 
 

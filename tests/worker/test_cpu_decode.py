@@ -55,16 +55,21 @@ def _serve(
     runner = ModelRunner(loaded, num_blocks, 4, "own")
     forward = runner._forward  # the model's one forward, shared by its runners
     assert forward is not None and forward.decode_layers is not None
-    if not decode_layers:
-        forward = copy.copy(forward)
+    forward = copy.copy(forward)
+    if decode_layers:  # counted, so that a step falling back to Python would show
+        forward.decode_layers = copy.copy(forward.decode_layers)
+        c_step = forward.decode_layers.step
+        forward.decode_layers.step = lambda *args: c_steps.append(1) or c_step(*args)
+    else:
         forward.decode_layers = None
-    decode_logits = []
+    decode_logits, c_steps = [], []
     call = forward.__call__
 
     def recording(input_ids, positions, k_pool, v_pool, step, keep):
         logits = call(input_ids, positions, k_pool, v_pool, step, keep)
         if not step.prefills:
             decode_logits.append(logits.clone())
+            assert len(c_steps) == (len(decode_logits) if decode_layers else 0)
         return logits
 
     runner._forward = recording  # the runner calls it as a function
