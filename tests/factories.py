@@ -58,12 +58,18 @@ def make_sequence_for(request: QueuedRequest, decoder) -> Sequence:
 
 
 def serve_together(
-    runner, prompts: list[list[int]], num_blocks: int, max_tokens: int = 12, max_num_seqs: int = 4
+    runner,
+    prompts: list[list[int]],
+    num_blocks: int,
+    max_tokens: int = 12,
+    max_num_seqs: int = 4,
+    **sampling,
 ):
     """Each prompt a request of its own tenant, all added at once to a continuous engine over
     `runner` (its pool: `num_blocks` blocks of 4) with a 16-token budget and at most
     `max_num_seqs` running, so prompts are chunked and, with few blocks, preempted; served
-    to the end. (Their output tokens, the number of preemptions.)"""
+    to the end; greedy unless `sampling` says otherwise. (Their output tokens, the number of
+    preemptions.)"""
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16),
         KVCacheManager(num_blocks, 4),
@@ -71,16 +77,16 @@ def serve_together(
         TenantAwarePreemption(),
     )
     engine = ContinuousBatchingEngine(scheduler, runner)
-    return serve(engine, prompts, max_tokens), scheduler.num_preemptions
+    return serve(engine, prompts, max_tokens, **sampling), scheduler.num_preemptions
 
 
-def serve(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def serve(engine, prompts: list[list[int]], max_tokens: int, **sampling) -> list[list[int]]:
     """Each prompt a request of its own tenant, all added at once to `engine`, served to the
     end: their output tokens."""
     seqs = []
     for i, prompt in enumerate(prompts):
         seq = make_sequence_for(
-            make_request(i, prompt, max_tokens, tenant_id=f"t{i}"), CharDecoder()
+            make_request(i, prompt, max_tokens, tenant_id=f"t{i}", **sampling), CharDecoder()
         )
         assert engine.add(seq) is None
         seqs.append(seq)

@@ -47,48 +47,75 @@ def test_more_rows_and_other_weights_take_torchs_matmul():
     assert torch.equal(llama._Linear(weight)(x), F.linear(x, weight))
 
 
-def _serve(
-    loaded, prompts: list[list[int]], decode_layers: bool, num_blocks: int, max_num_seqs: int = 8
-):
-    """Each decode step's logits, every request's tokens and the preemptions, served
-    together."""
-    runner = ModelRunner(loaded, num_blocks, 4, "own")
-    forward = runner._forward  # the model's one forward, shared by its runners
-    assert forward is not None and forward.decode_layers is not None
-    forward = copy.copy(forward)
-    if decode_layers:  # counted, so that a step falling back to Python would show
-        forward.decode_layers = copy.copy(forward.decode_layers)
-        c_step = forward.decode_layers.step
-        forward.decode_layers.step = lambda *args: c_steps.append(1) or c_step(*args)
-    else:
-        forward.decode_layers = None
-    decode_logits, c_steps = [], []
-    call = forward.__call__
+class _Recording:
+    """A runner's forward that keeps each decode step's logits and counts the steps each
+    path took: `decode_at` (the host's lists into one C call), the decode layers' `step`
+    (tensors into one C call) or neither (the fused forward from Python)."""
 
-    def recording(input_ids, positions, k_pool, v_pool, step, keep):
-        logits = call(input_ids, positions, k_pool, v_pool, step, keep)
+    def __init__(self, forward, path: str) -> None:
+        self._forward = forward = copy.copy(forward)  # the model's one forward is shared
+        self.decode_logits: list[torch.Tensor] = []
+        self.calls = {"decode_at": 0, "step": 0}
+        if path == "python":
+            forward.decode_layers = None
+        else:
+            forward.decode_layers = copy.copy(forward.decode_layers)
+            c_step = forward.decode_layers.step
+            forward.decode_layers.step = lambda *args: self._count("step") or c_step(*args)
+        self._use_decode_at = path == "decode_at"
+
+    def _count(self, path: str) -> None:
+        self.calls[path] += 1
+
+    def decode_at(self, *args):
+        stepped = self._forward.decode_at(*args) if self._use_decode_at else None
+        if stepped is not None:
+            self._count("decode_at")
+            self.decode_logits.append(stepped[0].clone())
+        return stepped
+
+    def __call__(self, input_ids, positions, k_pool, v_pool, step, keep):
+        logits = self._forward(input_ids, positions, k_pool, v_pool, step, keep)
         if not step.prefills:
-            decode_logits.append(logits.clone())
-            assert len(c_steps) == (len(decode_logits) if decode_layers else 0)
+            self.decode_logits.append(logits.clone())
         return logits
 
+
+def _serve(
+    loaded, prompts: list[list[int]], path: str, num_blocks: int, max_num_seqs: int = 8, **sampling
+):
+    """Each decode step's logits, every request's tokens and the preemptions, served
+    together through `path` ("decode_at", "step" or "python"); each decode step is checked to
+    have taken it."""
+    runner = ModelRunner(loaded, num_blocks, 4, "own")
+    assert runner._forward is not None and runner._forward.decode_layers is not None
+    recording = _Recording(runner._forward, path)
     runner._forward = recording  # the runner calls it as a function
-    tokens, num_preemptions = serve_together(runner, prompts, num_blocks, max_num_seqs=max_num_seqs)
-    return decode_logits, tokens, num_preemptions
+    tokens, num_preemptions = serve_together(
+        runner, prompts, num_blocks, max_num_seqs=max_num_seqs, **sampling
+    )
+    num_decode_steps = len(recording.decode_logits)
+    expected = {"decode_at": 0, "step": 0} | ({path: num_decode_steps} if path != "python" else {})
+    assert recording.calls == expected
+    return recording.decode_logits, tokens, num_preemptions
 
 
-def test_the_decode_layers_are_the_fused_forward_bit_for_bit():
+_PROMPTS = [list(range(1000, 1030)), [7, 7, 7, 7, 7, 7], list(range(2000, 2045, 3)), [42],
+            list(range(3000, 3020)), [5, 6]]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["decode_at", "step"])
+def test_the_decode_layers_are_the_fused_forward_bit_for_bit(path):
     """Decodes of 1-6 sequences (prompts of different lengths, so several attention groups,
-    and preemption) give the same logits, to the bit, through the one C call as through the
-    fused forward's kernels called from Python."""
+    and preemption) give the same logits and tokens, to the bit, through one C call (from
+    the host's lists, or from tensors) as through the fused forward's kernels called from
+    Python."""
     loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
     loaded.model.to(torch.bfloat16)
-    prompts = [list(range(1000, 1030)), [7, 7, 7, 7, 7, 7], list(range(2000, 2045, 3)), [42],
-               list(range(3000, 3020)), [5, 6]]  # fmt: skip
     rows_seen = set()
     for num_blocks in (14, 60):  # with preemptions, then all six decoding together
-        logits_in_c, tokens_in_c, preempted = _serve(loaded, prompts, True, num_blocks)
-        logits, tokens, _ = _serve(loaded, prompts, False, num_blocks)
+        logits_in_c, tokens_in_c, preempted = _serve(loaded, _PROMPTS, path, num_blocks)
+        logits, tokens, _ = _serve(loaded, _PROMPTS, "python", num_blocks)
         assert tokens_in_c == tokens
         assert len(logits_in_c) == len(logits) > 5
         for got, expected in zip(logits_in_c, logits, strict=True):
@@ -96,6 +123,39 @@ def test_the_decode_layers_are_the_fused_forward_bit_for_bit():
         rows_seen |= {step.shape[0] for step in logits}
         assert (preempted > 0) == (num_blocks == 14)
     assert rows_seen >= {1, 3, 4, 6}
+
+
+def test_seeded_sampling_from_the_host_path_draws_the_tensor_paths_tokens():
+    """Rows that are not greedy get the logits from `decode_at` and sample them in Python:
+    the same draws as from the tensors' path."""
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    sampled = {
+        path: _serve(loaded, _PROMPTS, path, 60, temperature=0.9, seed=7)[1]
+        for path in ("decode_at", "step")
+    }
+    assert sampled["decode_at"] == sampled["step"]
+    greedy = _serve(loaded, _PROMPTS, "step", 60)[1]
+    assert sampled["step"] != greedy  # sampled, not argmax
+
+
+def test_a_position_past_the_rope_table_takes_the_tensor_path():
+    """`decode_at` reads cos and sin from the RoPE table: a step with a position past it
+    is left to `__call__`, which asks the rotary module (the C call refuses such a position
+    too)."""
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    runner = ModelRunner(loaded, 60, 4, "own")
+    forward = runner._forward
+    assert forward is not None and forward._rope_table is not None
+    cos, sin = forward._rope_table
+    forward = copy.copy(forward)
+    forward._rope_table = (cos[:12], sin[:12])
+    args = ([5], [12], [12], [[0, 1, 2, 3]], [13], [(0, 1)], runner._k_pool, runner._v_pool, True)
+    assert forward.decode_at(*args) is None
+    with pytest.raises(IndexError, match="RoPE table"):
+        forward.decode_layers.step_at(*args[:6], forward._rope_table, *args[6:])
+    assert forward.decode_at([5], [11], *args[2:]) is not None
 
 
 def test_a_token_outside_the_embedding_fails_the_step_and_writes_nothing():
@@ -135,8 +195,8 @@ def test_with_tiled_matmuls_the_decode_layers_take_any_number_of_rows_bit_for_bi
             lambda linear, x: linear.matmul_pairs(x) if len(x) > 8 else call(linear, x),
         )
     prompts = [[1000 + i, 2000 + 3 * i] for i in range(20)]  # short: all twenty decode at once
-    logits_in_c, tokens_in_c, _ = _serve(loaded, prompts, True, 400, max_num_seqs=20)
-    logits, tokens, _ = _serve(loaded, prompts, False, 400, max_num_seqs=20)
+    logits_in_c, tokens_in_c, _ = _serve(loaded, prompts, "decode_at", 400, max_num_seqs=20)
+    logits, tokens, _ = _serve(loaded, prompts, "python", 400, max_num_seqs=20)
     assert tokens_in_c == tokens
     for got, expected in zip(logits_in_c, logits, strict=True):
         assert torch.equal(got, expected)

@@ -98,6 +98,8 @@ class DecodeLayers:
         width = (3 * forward.num_heads + 2 * forward.num_kv_heads) * forward.head_dim
         # the layers' scratch, and the residual stream and its norm
         self._scratch_per_row = width + hidden + 3 * inter + 2 * hidden
+        self._scratch: torch.Tensor | None = None  # `step_at`'s, made on its first use
+        self._logits: torch.Tensor | None = None
 
     @classmethod
     def for_forward(cls, forward: Any) -> DecodeLayers | None:
@@ -154,8 +156,66 @@ class DecodeLayers:
             slot_mapping.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), entries, len(groups),
             rows, scratch.data_ptr(), logits.data_ptr(),
         )  # fmt: skip
-        if status == -4:
-            raise IndexError("a token id outside the embedding")
-        if status != 0:
-            raise RuntimeError(f"decode_step failed ({status})")
+        _raise_for(status)
         return logits
+
+    def step_at(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],  # each token's flat slot in the pool
+        block_tables: list[list[int]],  # each row's, unpadded
+        lengths: list[int],  # the keys each row attends to
+        group_bounds: list[tuple[int, int]],  # rows attended in one call (`decode_group_bounds`)
+        rope_table: tuple[torch.Tensor, torch.Tensor],  # cos, sin [positions, head_dim]
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        greedy: bool,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """`step` from the host's lists, with no tensor made for them and the RoPE table read
+        in C: the logits [rows, vocab] (a buffer of this object's: read them before its next
+        step) and, if `greedy`, each row's argmax (else []). IndexError for a token outside
+        the embedding or a position outside the table."""
+        rows, model = len(token_ids), self._model
+        _, _, model.num_blocks, model.block_size, _ = k_pool.shape
+        entries = (_Group * len(group_bounds))()
+        arrays: list[ctypes.Array] = []  # alive until the call returns
+        for entry, (start, end) in zip(entries, group_bounds, strict=True):
+            width = max(len(table) for table in block_tables[start:end])
+            padded = [b for t in block_tables[start:end] for b in (*t, *[0] * (width - len(t)))]
+            tables = (ctypes.c_int32 * len(padded))(*padded)
+            group_lengths = (ctypes.c_int32 * (end - start))(*lengths[start:end])
+            arrays += (tables, group_lengths)
+            entry.tables, entry.lengths = ctypes.addressof(tables), ctypes.addressof(group_lengths)
+            entry.query_start, entry.rows, entry.max_blocks = start, end - start, width
+        scratch, logits = self._buffers(rows, k_pool.dtype)
+        tokens = (ctypes.c_int64 * rows)() if greedy else None
+        cos, sin = rope_table
+        status = self._library.decode_step_at(
+            ctypes.byref(model), (ctypes.c_int64 * rows)(*token_ids),
+            (ctypes.c_int64 * rows)(*positions), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            (ctypes.c_int64 * rows)(*slots), k_pool.data_ptr(), v_pool.data_ptr(), entries,
+            len(group_bounds), rows, scratch.data_ptr(), logits.data_ptr(), tokens,
+        )  # fmt: skip
+        _raise_for(status)
+        return logits, [] if tokens is None else list(tokens)
+
+    def _buffers(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step_at`'s scratch (grown, never shrunk) and logits (made again when the number of
+        rows changes), kept for the next steps: slicing a larger buffer's rows was itself a
+        torch op, 0.07 ms of a batch-1 step (session 34)."""
+        if self._logits is None or self._logits.shape[0] != rows:
+            self._logits = torch.empty(rows, self.vocab_size, dtype=dtype)
+        size = rows * (self._scratch_per_row + 2 * self._model.dim)
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=dtype)
+        return self._scratch, self._logits
+
+
+def _raise_for(status: int) -> None:
+    if status == -4:
+        raise IndexError("a token id outside the embedding")
+    if status == -5:
+        raise IndexError("a position outside the RoPE table")
+    if status != 0:
+        raise RuntimeError(f"decode_step failed ({status})")

@@ -63,6 +63,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "few_rows_available": ((), _I),
     "matmul_few_rows": ((*[_P] * 4, *[_I] * 3), _I),
     "decode_step": ((*[_P] * 8, _I, _I, _P, _P), _I),
+    "decode_step_at": ((*[_P] * 5, _I, *[_P] * 4, _I, _I, _P, _P, _P), _I),
     "amx_available": ((), _I),
     "amx_pack": ((_P, _P, _I, _I), None),
     "amx_matmul": ((*[_P] * 4, *[_I] * 3), _I),

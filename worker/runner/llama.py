@@ -293,6 +293,33 @@ class LlamaForward:
         hidden = _rms_norm(hidden.index_select(0, keep), self.norm, self.eps)
         return self.lm_head(hidden)
 
+    def decode_at(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        lengths: list[int],
+        group_bounds: list[tuple[int, int]],
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        greedy: bool,
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """A decode step (one token a row, every row's logits) from the host's lists, in one
+        C call that also reads the RoPE table and, if `greedy`, takes each row's argmax
+        (`DecodeLayers.step_at`): the logits and the argmaxes. None where that call cannot
+        take the step (no decode layers, more rows than they take, a position past the
+        table): the caller takes `__call__`."""
+        decode_layers, table = self.decode_layers, self._rope_table
+        if decode_layers is None or table is None or len(token_ids) > decode_layers.max_rows:
+            return None
+        if max(positions) >= table[0].shape[0]:
+            return None
+        return decode_layers.step_at(
+            token_ids, positions, slots, block_tables, lengths, group_bounds, table,
+            k_pool, v_pool, greedy,
+        )  # fmt: skip
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `positions`, [num_tokens, head_dim] each: HF's rotary module's, read
         from a table of them where it has one. In a batch-1 decode step, whose weights had

@@ -19,6 +19,7 @@ import torch
 from shared.protocol import SamplingParams
 from worker.runner import cpu_attention, host_memory, sampler
 from worker.runner.decode_graphs import DecodeGraphs, DecodeInputs, GraphBuckets
+from worker.runner.guard import check
 from worker.runner.kv_blocks import KVLayout, read_blocks, write_blocks
 from worker.runner.llama import LlamaForward
 from worker.runner.loader import LoadedModel
@@ -252,6 +253,10 @@ class ModelRunner:
             self.fault_token_id in c.token_ids for c in chunks
         ):
             raise RuntimeError("injected fault: the step's input holds the fault token")
+        if self._forward is not None and self._graphs is None and not batch.prefills:
+            sampled = self._decode_at(batch.decodes)
+            if sampled is not None:
+                return sampled
         bucket = None
         if self._graphs is not None and batch.decodes and not batch.prefills:
             bucket = self._graphs.pick(batch.decodes)
@@ -261,6 +266,37 @@ class ModelRunner:
             logits = self._eager(batch)
         params = [c.sampling for c in chunks if c.sampling is not None]
         generators = [self._generator(c.request_id, c.sampling) for c in chunks if c.sampling]
+        return sampler.sample(logits, params, generators)
+
+    def _decode_at(self, decodes: list[ChunkInput]) -> list[int | SamplingFailure] | None:
+        """A decode-only step through `LlamaForward.decode_at`: the step's inputs go to C as
+        the host's lists, not as tensors, and greedy rows are sampled there too. None where
+        it cannot take the step; `execute` then takes the tensors' path."""
+        assert self._forward is not None
+        params = [c.sampling for c in decodes if c.sampling is not None]
+        if not decodes or len(params) < len(decodes):
+            return None  # every row of a decode step samples
+        greedy = all(p.is_greedy and check(p) is None for p in params)
+        size = self.block_size
+        stepped = self._forward.decode_at(
+            [c.token_ids[0] for c in decodes],
+            [c.start for c in decodes],
+            [c.block_ids[c.start // size] * size + c.start % size for c in decodes],
+            [c.block_ids for c in decodes],
+            [c.end for c in decodes],
+            decode_group_bounds([c.end for c in decodes], size),
+            self._k_pool,
+            self._v_pool,
+            greedy,
+        )
+        if stepped is None:
+            return None
+        logits, tokens = stepped
+        if greedy:
+            return list(tokens)
+        generators = [
+            self._generator(c.request_id, p) for c, p in zip(decodes, params, strict=True)
+        ]
         return sampler.sample(logits, params, generators)
 
     def _eager(self, batch: StepBatch) -> torch.Tensor:

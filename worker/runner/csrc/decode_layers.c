@@ -34,6 +34,7 @@ void rms_norm(const void *x, const void *weight, void *out, int rows, int dim, f
 void add_rms_norm(void *hidden, const void *delta, const void *weight, void *out, int rows,
                   int dim, float eps, int is_bf16);
 void silu_mul(const void *gate_up, void *out, int rows, int inter, int is_bf16);
+void argmax_rows(const void *x, int64_t *out, int rows, int cols, int is_bf16);
 void rope_write(void *qkv, const void *cos, const void *sin, void *k_pool, void *v_pool,
                 const int64_t *slots, int tokens, int heads, int kv_heads, int dim,
                 int num_slots, int is_bf16);
@@ -141,4 +142,28 @@ int decode_step(const Model *m, const int64_t *token_ids, const uint16_t *cos, c
     if (status) return status;
     rms_norm(hidden, m->norm, x, rows, hd, m->eps, 1);
     return matmul(m, x, m->lm_head, NULL, logits, rows, m->vocab, hd);
+}
+
+/* `decode_step` from what the host holds, with no tensor made for it: each row's cos and sin
+ * read from the RoPE table ([table_rows, dim] each, `llama._rope_table`) at its position, and,
+ * where `tokens` is not NULL, each row's argmax of the logits written to it (greedy
+ * sampling, as `argmax_rows`). scratch: 2 * rows * dim values more than `decode_step`'s.
+ * -5: a position outside the table. In a batch-1 step the torch ops this stands in for (the
+ * inputs' tensors, the table's lookup, the argmax) took about 0.5 ms, run with caches the
+ * step's weights had just swept (docs/benchmarks.md, session 34). */
+int decode_step_at(const Model *m, const int64_t *token_ids, const int64_t *positions,
+                   const uint16_t *cos_table, const uint16_t *sin_table, int table_rows,
+                   const int64_t *slots, uint16_t *k_pool, uint16_t *v_pool, const Group *groups,
+                   int num_groups, int rows, uint16_t *scratch, uint16_t *logits, int64_t *tokens) {
+    const int dim = m->dim;
+    uint16_t *cos = scratch, *sin = cos + (int64_t)rows * dim;
+    for (int r = 0; r < rows; r++) {
+        if (positions[r] < 0 || positions[r] >= table_rows) return -5;
+        memcpy(cos + (int64_t)r * dim, cos_table + positions[r] * dim, (size_t)dim * 2);
+        memcpy(sin + (int64_t)r * dim, sin_table + positions[r] * dim, (size_t)dim * 2);
+    }
+    const int status = decode_step(m, token_ids, cos, sin, slots, k_pool, v_pool, groups,
+                                   num_groups, rows, sin + (int64_t)rows * dim, logits);
+    if (status == 0 && tokens) argmax_rows(logits, tokens, rows, m->vocab, 1);
+    return status;
 }
