@@ -106,9 +106,11 @@ def measure_decode(
         cuda_graphs=cuda_graphs,
     )
     engine = build_engine(loaded, config)
-    for i in range(batch_size):
-        engine.add(_sequence(i, context_tokens, decoder))
-    engine.step()  # the prefill of every sequence, in one step
+    sequences = [_sequence(i, context_tokens, decoder) for i in range(batch_size)]
+    for seq in sequences:
+        engine.add(seq)
+    while any(seq.num_output_tokens == 0 for seq in sequences):
+        engine.step()  # the prompts, in as many steps as the scheduler chunks them into
     for _ in range(5):
         engine.step()  # warm-up decodes (a fresh engine's first steps pay first-use costs)
     rounds = 1 if bandwidth is not None else probe_rounds
@@ -121,7 +123,7 @@ def measure_decode(
             engine.step()
         elapsed_s += time.perf_counter() - start
     step_s = elapsed_s / num_steps
-    mean_context = context_tokens + 6 + num_steps / 2
+    mean_context = context_tokens + 6 + num_steps / 2  # the first token, then 5 warm-up decodes
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     kv_bytes = int(batch_size * mean_context * kv_bytes_per_token(loaded))
     return RooflinePoint(

@@ -71,6 +71,39 @@ def test_the_kernel_attends_as_the_torch_path_does(dtype, heads, kv_heads, head_
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 1, 128, 16), (6, 2, 64, 5), (16, 1, 64, 16), (2, 1, 32, 8)],
+)
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [262],  # the keys in parts, each a multiple of 16 long but the last
+        [1000, 77],  # two rows: the short one's first parts empty
+        [2000],  # more parts than threads
+        [40],  # too few keys to split
+    ],
+)
+def test_few_long_rows_split_their_keys_and_attend_as_the_torch_path_does(
+    heads, kv_heads, head_dim, block_size, lengths
+):
+    """One or two sequences have too few (sequence, KV head) pairs to keep the threads busy:
+    the bf16 kernel splits their keys in parts and merges the parts' softmaxes. The queries
+    scaled up, so that a few keys take most of the weight and a merge that weighed the parts
+    wrongly would show."""
+    q, k_pool, v_pool, group = _case(
+        torch.bfloat16, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=block_size, lengths=lengths, num_blocks=512,
+    )  # fmt: skip
+    q = (q.float() * 3).to(torch.bfloat16)
+    expected = paged_attention._decode(q, k_pool[0], v_pool[0], group, None)
+    got = cpu_attention.paged_decode(
+        q.transpose(0, 1), k_pool[0], v_pool[0], group.tables, group.lengths, head_dim**-0.5
+    )
+    assert (got.float() - expected.float()).abs().max().item() <= 2**-5
+
+
+@needs_kernel
 def test_a_step_uses_the_kernel_for_decodes_and_the_result_does_not_move(monkeypatch):
     q, k_pool, v_pool, group = _case(
         torch.float32, heads=9, kv_heads=3, head_dim=64, block_size=16, lengths=[5, 70, 33]

@@ -8,7 +8,16 @@
 
 #define MAX_GROUP 16
 #define MAX_DIMV 16
-#define FEW_ITEMS 8 /* fewer (sequence, KV head) pairs than this: a work item per query */
+#define FEW_ITEMS 8 /* fewer (sequence, KV head) pairs than this: the work split further */
+#define PARTIAL(dim) ((dim) + 2) /* a query's partial result: largest score, sum, dim sums */
+#define MIN_PART_KEYS 64         /* a part of the keys: at least this many */
+#define MAX_PARTS 64
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_max_threads(void) { return 1; }
+#endif
 
 /* e^x for x <= 0 (a score less its row's largest): 2^n e^f, n = round(x log2 e),
  * |f| <= ln2 / 2, by the Taylor series to degree 6 (relative error about 1e-7). */
@@ -76,7 +85,7 @@ static inline f16v hsum16(const f16v v[16]) {
  * place; returns 1 / their sum. The max 16 lanes at a time (a scalar chain of maxes was 15%
  * of the dot-product kernel), then the exponentials, 16 at a time up to the last whole
  * vector. */
-static inline float exp_scores(float *sc, int len) {
+static inline float exp_scores_top(float *sc, int len, float *largest) {
     const int whole = len / 16 * 16;
     f16v top16 = (f16v){0} - INFINITY;
     for (int p = 0; p < whole; p += 16) top16 = max_v(top16, load_f32(sc + p));
@@ -93,7 +102,13 @@ static inline float exp_scores(float *sc, int len) {
         sc[p] = exp_nonpositive(sc[p] - top);
         sum += sc[p];
     }
+    *largest = top;
     return 1.f / (hsum(sums) + sum);
+}
+
+static inline float exp_scores(float *sc, int len) {
+    float top;
+    return exp_scores_top(sc, len, &top);
 }
 
 typedef struct {
@@ -221,24 +236,24 @@ static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const
  * dimension order once at the end. */
 static inline __attribute__((always_inline)) void values_dot(const Step *s, int row, int kvh,
                                                              int gb, const uint16_t *weights,
-                                                             int max_len, const int DIMV,
+                                                             int max_len, int lo, int hi,
+                                                             float *partial, const int DIMV,
                                                              const int NQ) {
     const int W = DIMV / 2, group = s->heads / s->kv_heads, dim = DIMV * 16, bs = s->block_size;
-    const int len = s->lengths[row];
     const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
     const uint16_t *v_pool = s->v_pool;
     const int64_t head_at = (int64_t)kvh * s->num_blocks;
     const __m512i lo_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    __m512 lo[NQ][MAX_DIMV / 2], hi[NQ][MAX_DIMV / 2];
+    __m512 low[NQ][MAX_DIMV / 2], high[NQ][MAX_DIMV / 2];
     const uint32_t *w[NQ];
     for (int i = 0; i < NQ; i++) {
         w[i] = (const uint32_t *)(weights + (int64_t)(gb + i) * max_len);
-        for (int c = 0; c < W; c++) lo[i][c] = hi[i][c] = _mm512_setzero_ps();
+        for (int c = 0; c < W; c++) low[i][c] = high[i][c] = _mm512_setzero_ps();
     }
-    for (int p = 0; p < len; p += 2) {
+    for (int p = lo; p < hi; p += 2) {
         const uint16_t *v0 = pool_at(s, v_pool, table, head_at, p, dim), *v1 = 0;
-        if (p + 1 < len) /* the next row of the block where blocks are of even size */
+        if (p + 1 < hi) /* the next row of the block where blocks are of even size */
             v1 = bs % 2 == 0 ? v0 + dim : pool_at(s, v_pool, table, head_at, p + 1, dim);
         for (int c = 0; c < W; c++) {
             const __m512i a = _mm512_loadu_si512(v0 + c * 32);
@@ -246,18 +261,24 @@ static inline __attribute__((always_inline)) void values_dot(const Step *s, int 
             const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(a, b);
             const __m512bh ph = (__m512bh)_mm512_unpackhi_epi16(a, b);
             for (int i = 0; i < NQ; i++) {
-                const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[i][p / 2]);
-                lo[i][c] = _mm512_dpbf16_ps(lo[i][c], pl, wp);
-                hi[i][c] = _mm512_dpbf16_ps(hi[i][c], ph, wp);
+                const __m512bh wp = (__m512bh)_mm512_set1_epi32((int)w[i][(p - lo) / 2]);
+                low[i][c] = _mm512_dpbf16_ps(low[i][c], pl, wp);
+                high[i][c] = _mm512_dpbf16_ps(high[i][c], ph, wp);
             }
         }
     }
     for (int i = 0; i < NQ; i++) {
         uint16_t *out = (uint16_t *)s->out +
                         ((int64_t)row * s->heads + (int64_t)kvh * group + gb + i) * dim;
+        float *sums = partial ? partial + (int64_t)(gb + i) * PARTIAL(dim) + 2 : NULL;
         for (int c = 0; c < W; c++) {
-            const __m512 first = _mm512_permutex2var_ps(lo[i][c], lo_order, hi[i][c]);
-            const __m512 second = _mm512_permutex2var_ps(lo[i][c], hi_order, hi[i][c]);
+            const __m512 first = _mm512_permutex2var_ps(low[i][c], lo_order, high[i][c]);
+            const __m512 second = _mm512_permutex2var_ps(low[i][c], hi_order, high[i][c]);
+            if (sums) {
+                _mm512_storeu_ps(sums + c * 32, first);
+                _mm512_storeu_ps(sums + c * 32 + 16, second);
+                continue;
+            }
             _mm256_storeu_si256((__m256i *)(out + c * 32), (__m256i)_mm512_cvtneps_pbh(first));
             _mm256_storeu_si256((__m256i *)(out + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(second));
         }
@@ -265,14 +286,15 @@ static inline __attribute__((always_inline)) void values_dot(const Step *s, int 
 }
 
 static inline __attribute__((always_inline)) void attend_item_dot(const Step *s, int item,
-                                                                 int g0, int g1, float *scores,
-                                                                 uint16_t *weights, int max_len,
+                                                                 int g0, int g1, int lo, int hi,
+                                                                 float *scores, uint16_t *weights,
+                                                                 int max_len, float *partial,
                                                                  const int DIMV) {
     enum { QB_MAX = 4 };
     const int W = DIMV / 2, QB = DIMV <= 4 ? 4 : DIMV <= 8 ? 2 : 1; /* 32-dim vectors */
     const int group = s->heads / s->kv_heads, dim = DIMV * 16, bs = s->block_size;
     const int row = item / s->kv_heads, kvh = item % s->kv_heads;
-    const int len = s->lengths[row], whole = len / 16 * 16;
+    const int whole = hi / 16 * 16; /* lo: a multiple of 16 */
     const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
     const uint16_t *q = (const uint16_t *)s->q + ((int64_t)row * s->heads + (int64_t)kvh * group) * dim;
     const uint16_t *k_pool = s->k_pool, *v_pool = s->v_pool;
@@ -281,11 +303,11 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
     for (int g = g0; g < g1; g++) { /* scores, 16 keys at once */
         __m512bh qg[MAX_DIMV / 2];
         for (int c = 0; c < W; c++) qg[c] = (__m512bh)_mm512_loadu_si512(q + g * dim + c * 32);
-        for (int p0 = 0; p0 < len; p0 += 16) {
+        for (int p0 = lo; p0 < hi; p0 += 16) {
             f16v dots[16];
             if (p0 < whole && bs % 16 == 0) { /* 16 rows of one block */
                 const uint16_t *k = pool_at(s, k_pool, table, head_at, p0, dim);
-                if (g == g0 && p0 + 32 < len) { /* the pass that reads from memory */
+                if (g == g0 && p0 + 32 < hi) { /* the pass that reads from memory */
                     const uint16_t *ahead = pool_at(s, k_pool, table, head_at, p0 + 32, dim);
                     if (ahead == pool_at(s, k_pool, table, head_at, p0 + 16, dim) + 16 * dim)
                         prefetch_16_rows(ahead, dim, _MM_HINT_T0); /* a run the hardware follows */
@@ -296,48 +318,99 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
                 for (int j = 0; j < 16; j++) dots[j] = (f16v)dot_row(k + j * dim, qg, W);
             } else {
                 for (int j = 0; j < 16; j++)
-                    dots[j] = p0 + j < len
+                    dots[j] = p0 + j < hi
                                   ? (f16v)dot_row(pool_at(s, k_pool, table, head_at, p0 + j, dim), qg, W)
                                   : (f16v){0};
             }
             const f16v sums = hsum16(dots) * scale;
-            memcpy(scores + g * max_len + p0, &sums, sizeof sums);
+            memcpy(scores + g * max_len + (p0 - lo), &sums, sizeof sums);
         }
     }
+    const int n = hi - lo;
     for (int g = g0; g < g1; g++) { /* softmax, the weights rounded to bf16 */
-        float *sc = scores + g * max_len;
+        float *sc = scores + g * max_len, top;
         uint16_t *w = weights + g * max_len;
-        const __m512 inv = _mm512_set1_ps(exp_scores(sc, len));
-        for (int p = 0; p < len; p += 16) /* past len: never read as a weight */
+        const float inv_sum = exp_scores_top(sc, n, &top);
+        if (partial) /* the keys' largest score and the sum of their e^(score - largest) */
+            partial[g * PARTIAL(dim)] = top, partial[g * PARTIAL(dim) + 1] = 1.f / inv_sum;
+        const __m512 inv = _mm512_set1_ps(inv_sum);
+        for (int p = 0; p < n; p += 16) /* past n: never read as a weight */
             _mm256_storeu_si256((__m256i *)(w + p),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sc + p), inv)));
-        w[len] = 0; /* an odd count's last pair: the key past the end weighs nothing */
+        w[n] = 0; /* an odd count's last pair: the key past the end weighs nothing */
     }
     for (int gb = g0; gb < g1; gb += QB) { /* values: QB queries a pass, the last pass's as
         many as are left (a constant count each, so that no query is computed for nothing) */
         const int nq = g1 - gb < QB ? g1 - gb : QB;
-        if (nq == 1) values_dot(s, row, kvh, gb, weights, max_len, DIMV, 1);
-        else if (nq == 2) values_dot(s, row, kvh, gb, weights, max_len, DIMV, 2);
-        else if (nq == 3) values_dot(s, row, kvh, gb, weights, max_len, DIMV, 3);
-        else values_dot(s, row, kvh, gb, weights, max_len, DIMV, QB_MAX);
+        if (nq == 1) values_dot(s, row, kvh, gb, weights, max_len, lo, hi, partial, DIMV, 1);
+        else if (nq == 2) values_dot(s, row, kvh, gb, weights, max_len, lo, hi, partial, DIMV, 2);
+        else if (nq == 3) values_dot(s, row, kvh, gb, weights, max_len, lo, hi, partial, DIMV, 3);
+        else values_dot(s, row, kvh, gb, weights, max_len, lo, hi, partial, DIMV, QB_MAX);
     }
 }
 #else
 #define DOT_DECODE 0
 #endif
 
+/* How many parts each (sequence, KV head)'s keys are split into (`attend`): enough parts
+ * for two a thread, each of at least MIN_PART_KEYS keys; 1 where there are items enough. */
+static int key_parts(const Step *s, int max_len) {
+    const int pairs = s->rows * s->kv_heads;
+    if (pairs >= FEW_ITEMS) return 1;
+    int parts = (2 * omp_get_max_threads() + pairs - 1) / pairs;
+    const int most = max_len / MIN_PART_KEYS;
+    parts = parts < most ? parts : most;
+    parts = parts < MAX_PARTS ? parts : MAX_PARTS;
+    return parts > 1 ? parts : 1;
+}
+
+/* Keys lo .. hi - 1 of a row's `len`, part `part` of `parts`: split at multiples of 16. */
+static inline void part_bounds(int len, int part, int parts, int *lo, int *hi) {
+    *lo = part == 0 ? 0 : (int)((int64_t)len * part / parts) / 16 * 16;
+    *hi = part + 1 == parts ? len : (int)((int64_t)len * (part + 1) / parts) / 16 * 16;
+}
+
+/* Query `h` of `row`: its parts' weighted values, each a softmax over its own keys, made one
+ * (each part weighed by its sum of e^(score - the largest of all parts)), rounded to bf16. */
+static void merge_parts(const Step *s, const float *partials, int row, int h, int parts) {
+    const int group = s->heads / s->kv_heads, dim = s->dim, kvh = h / group, g = h % group;
+    const float *first = partials + ((int64_t)(row * s->kv_heads + kvh) * parts * group + g) * PARTIAL(dim);
+    const int64_t stride = (int64_t)group * PARTIAL(dim); /* from one part to the next */
+    float top = -INFINITY, total = 0.f, weight[MAX_PARTS];
+    for (int i = 0; i < parts; i++)
+        if (first[i * stride + 1] > 0.f && first[i * stride] > top) top = first[i * stride];
+    for (int i = 0; i < parts; i++) {
+        const float *part = first + i * stride;
+        weight[i] = part[1] > 0.f ? part[1] * exp_nonpositive(part[0] - top) : 0.f;
+        total += weight[i];
+    }
+    uint16_t *out = (uint16_t *)s->out + ((int64_t)row * s->heads + h) * dim;
+    for (int d = 0; d < dim; d++) {
+        float sum = 0.f;
+        for (int i = 0; i < parts; i++)
+            if (weight[i] > 0.f) sum += weight[i] * first[i * stride + 2 + d];
+        out[d] = to_bf16(sum / total);
+    }
+}
+
 static int attend(const Step *s) {
     const int group = s->heads / s->kv_heads, bs = s->block_size;
     /* each query's scores, padded to whole vectors of 16 keys */
     const int max_len = ((s->max_blocks * bs > 0 ? s->max_blocks * bs : 1) + 15) / 16 * 16;
-    /* Work items: a sequence's KV head, all its queries; where there are too few of those to
-     * keep the threads busy (one sequence has as many as the model has KV heads, 3 for the
-     * default model, and 3 on 2 threads take 2 rounds), each query alone: it reads the
-     * head's keys again, from cache. */
-    const int parts = s->rows * s->kv_heads < FEW_ITEMS ? group : 1;
-    const int items = s->rows * s->kv_heads * parts;
     const int bf16 = s->is_bf16, vectors = s->dim / 16;
     const int dot = DOT_DECODE && bf16 && s->dim % 32 == 0; /* attend_item_dot */
+    /* Work items: a sequence's KV head, all its queries. Where there are too few of those to
+     * keep the threads busy (one sequence has as many as the model has KV heads, 3 for the
+     * default model, and 3 on 2 threads take 2 rounds): with the dot-product kernel, its keys
+     * in parts (`key_parts`), each part's softmax and weighted values kept apart and made one
+     * at the end (`merge_parts`, as flash-decoding does), so that each key and value is read
+     * once, by one thread; without, each query alone (it reads the head's keys again). */
+    const int split = dot ? key_parts(s, max_len) : 1;
+    const int parts = split > 1 ? split : s->rows * s->kv_heads < FEW_ITEMS ? group : 1;
+    const int items = s->rows * s->kv_heads * parts;
+    float *partials = NULL;
+    if (split > 1 && !(partials = malloc(sizeof(float) * items * group * PARTIAL(s->dim))))
+        return -1;
     int status = 0;
 #pragma omp parallel if (items > 1)
     {
@@ -351,12 +424,31 @@ static int attend(const Step *s) {
         for (int unit = 0; unit < items; unit++) {
             if (scores == NULL || (dot && weights == NULL)) continue;
             const int item = unit / parts, part = unit % parts;
+            const int len = s->lengths[item / s->kv_heads];
+#if DOT_DECODE
+            if (split > 1) { /* keys lo .. hi - 1, every query of the KV head */
+                float *partial = partials + (int64_t)unit * group * PARTIAL(s->dim);
+                int lo, hi;
+                part_bounds(len, part, parts, &lo, &hi);
+                if (lo >= hi) {
+                    for (int g = 0; g < group; g++) partial[g * PARTIAL(s->dim) + 1] = 0.f;
+                } else if (vectors == 4) {
+                    attend_item_dot(s, item, 0, group, lo, hi, scores, weights, max_len, partial, 4);
+                } else if (vectors == 8) {
+                    attend_item_dot(s, item, 0, group, lo, hi, scores, weights, max_len, partial, 8);
+                } else {
+                    attend_item_dot(s, item, 0, group, lo, hi, scores, weights, max_len, partial,
+                                    vectors);
+                }
+                continue;
+            }
+#endif
             const int g0 = part * group / parts, g1 = (part + 1) * group / parts;
             /* the common head dimensions get their own copy, the vector count a constant */
 #if DOT_DECODE
-            if (dot && vectors == 4) attend_item_dot(s, item, g0, g1, scores, weights, max_len, 4);
-            else if (dot && vectors == 8) attend_item_dot(s, item, g0, g1, scores, weights, max_len, 8);
-            else if (dot) attend_item_dot(s, item, g0, g1, scores, weights, max_len, vectors);
+            if (dot && vectors == 4) attend_item_dot(s, item, g0, g1, 0, len, scores, weights, max_len, NULL, 4);
+            else if (dot && vectors == 8) attend_item_dot(s, item, g0, g1, 0, len, scores, weights, max_len, NULL, 8);
+            else if (dot) attend_item_dot(s, item, g0, g1, 0, len, scores, weights, max_len, NULL, vectors);
             else
 #endif
             if (vectors == 4 && bf16) attend_item(s, item, g0, g1, scores, max_len, 4, 1);
@@ -367,7 +459,16 @@ static int attend(const Step *s) {
             else attend_item(s, item, g0, g1, scores, max_len, vectors, 0);
         }
         free(scores), free(weights);
+        int failed; /* after the loop's barrier: every thread's allocation is known */
+#pragma omp atomic read
+        failed = status;
+        if (split > 1 && !failed) {
+#pragma omp for
+            for (int h = 0; h < s->rows * s->heads; h++)
+                merge_parts(s, partials, h / s->heads, h % s->heads, parts);
+        }
     }
+    free(partials);
     return status;
 }
 
