@@ -17,6 +17,12 @@ few-row kernel's 8 rows `csrc/pair_matmul.c` on one with AVX512-BF16 but no AMX)
 decode-only step goes through here: at 32 sequences the Python between the kernels was ~270
 calls a step.
 
+`DecodeLayers.step_at` takes a decode-only step from the scheduler's lists instead of tensors
+(`csrc/decode_layers.c`'s `decode_step_at`): RoPE's cos and sin read from the forward's table
+in C, and, where every row is greedy, each row's argmax taken there too. In a batch-1 step
+the torch ops those stood in for (the inputs' tensors, the table's lookup, slicing, the
+argmax) cost about 0.5 ms with the caches the step's weights had just swept (session 34).
+
 `DecodeLayers.for_forward` is None where it cannot run: off the CPU, for dtypes other than
 bf16, without the fused layer ops or the few-row or tiled matmuls (a CPU without
 AVX512-BF16), for attention shapes the decode kernel does not take, or with
@@ -66,7 +72,9 @@ class _Model(ctypes.Structure):
 
 
 class DecodeLayers:
-    """`step(input_ids, ...)`: the logits of a decode step of at most `max_rows` sequences."""
+    """`step(input_ids, ...)`: the logits of a decode step of at most `max_rows` sequences;
+    `step_at(token_ids, ...)`: the same from lists. One model's runners share it (and
+    `step_at`'s buffers): their steps run one at a time, as a worker's engine runs them."""
 
     def __init__(self, library: ctypes.CDLL, forward: Any, max_rows: int, tiled: int) -> None:
         self._library = library
