@@ -57,15 +57,24 @@ def measure_bandwidth(device: torch.device | None = None, num_repeats: int = 8) 
     once, both counted), timed by CUDA events."""
     if device is not None and device.type == "cuda":
         return _device_copy_bandwidth(device, num_repeats)
-    # in huge pages, as the weights are (worker/runner/host_memory.py)
-    probe = host_memory.zeros((BANDWIDTH_PROBE_BYTES // 4,), torch.float32).fill_(1.0)
-    probe.sum()
-    best_s = float("inf")
-    for _ in range(num_repeats):
+    probe = BandwidthProbe()
+    return probe.bytes / min(probe.read() for _ in range(num_repeats))
+
+
+class BandwidthProbe:
+    """The CPU's plain read: a tensor far larger than any cache, summed. `read()` is one
+    pass's seconds."""
+
+    def __init__(self, num_bytes: int = BANDWIDTH_PROBE_BYTES) -> None:
+        self.bytes = num_bytes
+        # in huge pages, as the weights are (worker/runner/host_memory.py)
+        self._tensor = host_memory.zeros((num_bytes // 4,), torch.float32).fill_(1.0)
+        self._tensor.sum()
+
+    def read(self) -> float:
         start = time.perf_counter()
-        probe.sum()
-        best_s = min(best_s, time.perf_counter() - start)
-    return BANDWIDTH_PROBE_BYTES / best_s
+        self._tensor.sum()
+        return time.perf_counter() - start
 
 
 def _device_copy_bandwidth(device: torch.device, num_repeats: int) -> float:

@@ -29,6 +29,7 @@ TORCH_ALLOWED = (
     "bench.matmul_share",
     "bench.few_rows_stream",
     "bench.kernel_run",
+    "bench.decode_sides",
 )
 
 
