@@ -40,3 +40,20 @@ def test_a_bandwidth_given_is_the_one_the_steps_are_set_against(
     assert point.weight_bytes == sum(
         p.numel() * p.element_size() for p in tiny_loaded.model.parameters()
     )
+
+
+def test_the_steps_timed_are_decodes_where_a_prompt_takes_many_steps(
+    tiny_loaded, tiny_model_dir, monkeypatch
+):
+    """A long prompt is chunked over several steps (`Scheduler._chunk_size`): the warm-up and
+    the timed steps start once it is in, so every one of them decodes a token."""
+    decoder = model_source.load_tokenizer(model_source.resolve(str(tiny_model_dir)))
+    engines = []
+    build = roofline.build_engine
+    monkeypatch.setattr(
+        roofline, "build_engine", lambda *a: engines.append(build(*a)) or engines[-1]
+    )
+    monkeypatch.setattr(roofline, "measure_bandwidth", lambda *a, **k: 1e9)
+    roofline.measure_decode(tiny_loaded, decoder, 1, 1024, None, num_steps=6)
+    (seq,) = engines[0].scheduler.running
+    assert seq.num_output_tokens == 1 + 5 + 6  # the prompt's token, 5 warm-up, 6 timed
