@@ -40,8 +40,8 @@ from worker.runner import cpu_kernels, loader
 from worker.sequence import Sequence
 
 
-def _engine(context: int, max_tokens: int):
-    resolved = model_source.resolve(model_source.DEFAULT_MODEL_ID)
+def _engine(source: str, context: int, max_tokens: int):
+    resolved = model_source.resolve(source)
     loaded = loader.load(resolved, "auto", "bfloat16")
     decoder = model_source.load_tokenizer(resolved)
     heap.freeze_long_lived()  # as a worker does once its model is loaded
@@ -70,9 +70,15 @@ def _with_signatures(path: str) -> ctypes.CDLL:
     return other
 
 
-def measure(context: int, rounds: int, steps: int, baseline: str | None) -> dict:
+def measure(
+    context: int,
+    rounds: int,
+    steps: int,
+    baseline: str | None,
+    source: str = model_source.DEFAULT_MODEL_ID,
+) -> dict:
     names = ["lists", "tensors", *(["baseline"] if baseline else [])]
-    engine, seq = _engine(context, max_tokens=rounds * len(names) * steps + 64)
+    engine, seq = _engine(source, context, max_tokens=rounds * len(names) * steps + 64)
     runner = engine._runner
     forward = runner._forward
     if forward is None or forward.decode_layers is None:
@@ -136,10 +142,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=5, help="steps a side a round")
     parser.add_argument("--baseline", help="another build of the kernels (a .so)")
+    parser.add_argument("--source", default=model_source.DEFAULT_MODEL_ID, help="the model")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    result = measure(args.context, args.rounds, args.steps, args.baseline)
+    result = measure(args.context, args.rounds, args.steps, args.baseline, args.source)
     first, last = result["context_tokens"]
     plain = result["plain_read_gb_per_s"]
     print(
