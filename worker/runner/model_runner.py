@@ -278,13 +278,14 @@ class ModelRunner:
             return None  # every row of a decode step samples
         greedy = all(p.is_greedy and check(p) is None for p in params)
         size = self.block_size
+        ends = [c.end for c in decodes]
         stepped = self._forward.decode_at(
             [c.token_ids[0] for c in decodes],
             [c.start for c in decodes],
             [c.block_ids[c.start // size] * size + c.start % size for c in decodes],
             [c.block_ids for c in decodes],
-            [c.end for c in decodes],
-            decode_group_bounds([c.end for c in decodes], size),
+            ends,
+            decode_group_bounds(ends, size),
             self._k_pool,
             self._v_pool,
             greedy,

@@ -425,30 +425,25 @@ static int attend(const Step *s) {
             if (scores == NULL || (dot && weights == NULL)) continue;
             const int item = unit / parts, part = unit % parts;
             const int len = s->lengths[item / s->kv_heads];
-#if DOT_DECODE
-            if (split > 1) { /* keys lo .. hi - 1, every query of the KV head */
-                float *partial = partials + (int64_t)unit * group * PARTIAL(s->dim);
-                int lo, hi;
+            /* split: every query of the KV head over keys lo .. hi - 1, kept apart in
+             * `partial`; else queries g0 .. g1 - 1 over every key */
+            int g0 = 0, g1 = group, lo = 0, hi = len;
+            float *partial = NULL;
+            if (split > 1) {
+                partial = partials + (int64_t)unit * group * PARTIAL(s->dim);
                 part_bounds(len, part, parts, &lo, &hi);
-                if (lo >= hi) {
+                if (lo >= hi) { /* an empty part: it weighs nothing in the merge */
                     for (int g = 0; g < group; g++) partial[g * PARTIAL(s->dim) + 1] = 0.f;
-                } else if (vectors == 4) {
-                    attend_item_dot(s, item, 0, group, lo, hi, scores, weights, max_len, partial, 4);
-                } else if (vectors == 8) {
-                    attend_item_dot(s, item, 0, group, lo, hi, scores, weights, max_len, partial, 8);
-                } else {
-                    attend_item_dot(s, item, 0, group, lo, hi, scores, weights, max_len, partial,
-                                    vectors);
+                    continue;
                 }
-                continue;
+            } else {
+                g0 = part * group / parts, g1 = (part + 1) * group / parts;
             }
-#endif
-            const int g0 = part * group / parts, g1 = (part + 1) * group / parts;
             /* the common head dimensions get their own copy, the vector count a constant */
 #if DOT_DECODE
-            if (dot && vectors == 4) attend_item_dot(s, item, g0, g1, 0, len, scores, weights, max_len, NULL, 4);
-            else if (dot && vectors == 8) attend_item_dot(s, item, g0, g1, 0, len, scores, weights, max_len, NULL, 8);
-            else if (dot) attend_item_dot(s, item, g0, g1, 0, len, scores, weights, max_len, NULL, vectors);
+            if (dot && vectors == 4) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, 4);
+            else if (dot && vectors == 8) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, 8);
+            else if (dot) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, vectors);
             else
 #endif
             if (vectors == 4 && bf16) attend_item(s, item, g0, g1, scores, max_len, 4, 1);
