@@ -61,7 +61,7 @@ def _engine(source: str, context: int, max_tokens: int):
     return engine, seq
 
 
-def _with_signatures(path: str) -> ctypes.CDLL:
+def with_signatures(path: str) -> ctypes.CDLL:
     other = ctypes.CDLL(path)  # its own symbols (ctypes loads with RTLD_LOCAL)
     for name, (argtypes, restype) in cpu_kernels._SIGNATURES.items():
         if hasattr(other, name):
@@ -86,7 +86,7 @@ def measure(
     decode_layers = forward.decode_layers
     libraries = {"lists": decode_layers._library, "tensors": decode_layers._library}
     if baseline:
-        libraries["baseline"] = _with_signatures(baseline)
+        libraries["baseline"] = with_signatures(baseline)
     decode_at = runner._decode_at
 
     def use(name: str) -> None:

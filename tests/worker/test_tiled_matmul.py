@@ -118,3 +118,31 @@ def test_a_matmul_is_the_same_on_any_number_of_threads(rows, n, k):
         torch.set_num_threads(threads)
     assert all(torch.equal(result, results[0]) for result in results[1:])
     assert_within_rounding_of_torch(results[0], x, weight, bias)
+
+
+@pytest.mark.skipif(not AMX, reason="the AMX kernel shares a matmul out by items")
+@pytest.mark.parametrize("rows", [512, 1000])
+@pytest.mark.parametrize(("n", "k"), [(608, 576), (3072, 576)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_prompts_matmul_shared_by_rows_is_the_one_shared_by_blocks(rows, n, k, threads):
+    """From the kernel's row threshold (1,024) each thread's items are its contiguous rows
+    over every block, not its blocks over every row: the same sums, bit for bit, in runs of
+    rows that do not fall on 32 (1000 rows over 3 threads: 333, 333 and 334), for the plain
+    matmul and the gate-up's silu alike."""
+    x, weight, bias = bf16_matmul_case(rows, n, k, True)
+    linear, gate_up = llama._Linear(weight, bias), llama._Linear(weight)
+    ops = LayerOps.for_model(x.device, x.dtype, (k, n // 2), 64)
+    library = load()
+    was = torch.get_num_threads()
+    results = []
+    try:
+        torch.set_num_threads(threads)
+        for row_share in (1 << 30, rows):  # blocks, then rows
+            assert library.amx_row_share(row_share) in (1 << 30, 1024)
+            results.append((linear(x), gate_up.silu_mul(x, ops)))
+    finally:
+        library.amx_row_share(1024)
+        torch.set_num_threads(was)
+    (plain_blocks, silu_blocks), (plain_rows, silu_rows) = results
+    assert torch.equal(plain_rows, plain_blocks) and torch.equal(silu_rows, silu_blocks)
+    assert_within_rounding_of_torch(plain_rows, x, weight, bias)

@@ -69,6 +69,7 @@ _SIGNATURES = {  # name: (argument types, result type)
     "amx_matmul": ((*[_P] * 4, *[_I] * 3), _I),
     "amx_matmul_silu": ((*[_P] * 4, *[_I] * 3), _I),
     "amx_share": ((_I,), None),
+    "amx_row_share": ((_I,), _I),
     "pair_matmul_available": ((), _I),
     "pair_matmul": ((*[_P] * 4, *[_I] * 3), _I),
     "argmax_rows": ((_P, _P, _I, _I, _I), None),

@@ -71,37 +71,81 @@ static void configure(int rows0, int rows1) {
     configure_tiles(rows);
 }
 
-/* Rows of two C tiles (a block's columns 0-15 and 16-31) with the bias, rounded to bf16 by
- * `vcvtne2ps2bf16` (to nearest even, as torch and oneDNN round; the instruction takes fp32
- * denormals, sums below 1.2e-38, as 0), 32 columns of y a row in one store. */
-static inline void store_pairs(int tile_rows, const float *c0, const float *c1, __m512 b0,
-                               __m512 b1, uint16_t *y, int64_t n) {
-    for (int r = 0; r < tile_rows; r++) {
-        const __m512 lo = _mm512_add_ps(_mm512_load_ps(c0 + 16 * r), b0);
-        const __m512 hi = _mm512_add_ps(_mm512_load_ps(c1 + 16 * r), b1);
-        _mm512_storeu_si512(y + r * n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+/* A block whose sums are in memory (`store_sums`) and not yet in y: its 32 columns for up
+ * to 32 rows, plain (the bias added, rounded to bf16 by `vcvtne2ps2bf16`: to nearest even,
+ * as torch and oneDNN round; the instruction takes fp32 denormals, sums below 1.2e-38, as
+ * 0) or silu (`layer_ops.c`'s silu_mul of the gate's and the up's sums, each rounded to bf16
+ * as the matmul's output would be). The next block's sums write it a few rows at each step
+ * of k (`block_sums`): the vector units round and store while AMX multiplies, where written
+ * after the sums the writing took a quarter of a prompt's matmul (session 35). */
+typedef struct {
+    const float (*sums)[256]; /* plain: C tiles 0-3's sums; silu: the gate's 4, then the up's */
+    uint16_t *out;            /* y at the block's first row and column */
+    int64_t n;                /* y's row length */
+    __m512 b0, b1;            /* the bias's halves (plain; zero without one) */
+    int rows0, rows1, silu;   /* rows in C tiles 0-1 and 2-3 */
+} Pending;
+
+/* A C tile's row rounded to bf16 as the plain write rounds it, back in fp32. */
+static inline f16v as_output(const float *c) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(c));
+    return (f16v)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+}
+
+/* Rows [r0, r1) of a pending block's 32 into y: rows 0-15 from C tiles 0-1's sums, 16-31
+ * from 2-3's. */
+static inline void write_rows(const Pending *p, int r0, int r1) {
+    for (int r = r0; r < r1; r++) {
+        const int high = r >= 16, t = r - 16 * high; /* the tile row */
+        if (t >= (high ? p->rows1 : p->rows0)) continue;
+        const float *c0 = p->sums[2 * high] + 16 * t, *c1 = p->sums[2 * high + 1] + 16 * t;
+        uint16_t *y = p->out + (int64_t)r * p->n;
+        if (!p->silu) {
+            const __m512 lo = _mm512_add_ps(_mm512_load_ps(c0), p->b0);
+            const __m512 hi = _mm512_add_ps(_mm512_load_ps(c1), p->b1);
+            _mm512_storeu_si512(y, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            continue;
+        }
+        const float *u0 = p->sums[4 + 2 * high] + 16 * t, *u1 = p->sums[5 + 2 * high] + 16 * t;
+        for (int half = 0; half < 2; half++) {
+            const f16v g = as_output(half ? c1 : c0);
+            const f16v silu = rnd(g / (1.f + exp_v(-g)), 1);
+            store_v(y, 16 * half, silu * as_output(half ? u1 : u0), 1);
+        }
     }
 }
 
 /* One block's sums for rows row0 .. row0 + 15 (C tiles 0-1) and row0 + 16 .. (tiles 2-3, where
- * rows1), over all of k, in C tiles 0-3. */
+ * rows1), over all of k, in C tiles 0-3; `pending` (if any) written meanwhile. `stream`: the
+ * B tiles loaded with `tileloaddt1`, which keeps them out of L1 (a prompt's rows: x's run of
+ * 32 rows, read again by every block of the panel, then stays in L1, where each block's B
+ * tiles passing through pushed it out to L2; 1.2-1.35x the default model's matmuls at 128-
+ * 2,048 rows, session 35). A decode step's few rows keep `tileloadd`: there the hint made the
+ * steps 2.8x slower on an Intel host whose 300 MB L3 holds the weights from step to step
+ * (session 30). */
 static inline void block_sums(const uint16_t *x, const uint16_t *b, int row0, int rows1, int k,
-                              int prefetch) {
+                              int prefetch, int stream, const Pending *pending) {
     const int64_t stride = (int64_t)k * 2;
     const uint16_t *a0 = x + (int64_t)row0 * k, *a1 = a0 + 16 * (int64_t)k;
+    const int steps = k / 32;
     _tile_zero(0);
     _tile_zero(1);
     if (rows1) {
         _tile_zero(2);
         _tile_zero(3);
     }
-    for (int step = 0; step < k / 32; step++, b += 1024) {
+    for (int step = 0; step < steps; step++, b += 1024) {
         if (prefetch)
             for (int line = 0; line < 2048; line += 64)
                 _mm_prefetch((const char *)b + AMX_AHEAD + line, _MM_HINT_T1);
         _tile_loadd(4, a0 + 32 * step, stride);
-        _tile_loadd(6, b, 64);
-        _tile_loadd(7, b + 512, 64);
+        if (stream) {
+            _tile_stream_loadd(6, b, 64);
+            _tile_stream_loadd(7, b + 512, 64);
+        } else {
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + 512, 64);
+        }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (rows1) {
@@ -109,11 +153,12 @@ static inline void block_sums(const uint16_t *x, const uint16_t *b, int row0, in
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (pending) write_rows(pending, 32 * step / steps, 32 * (step + 1) / steps);
     }
 }
 
 /* C tiles 0-3 into c (2 and 3 only where rows1). */
-static inline void store_sums(float c[4][256], int rows1) {
+static inline void store_sums(float (*c)[256], int rows1) {
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
     if (rows1) {
@@ -122,52 +167,26 @@ static inline void store_sums(float c[4][256], int rows1) {
     }
 }
 
-/* One block of 32 output columns for rows row0 .. row0 + rows0 + rows1 - 1 of x. */
-static inline void block_rows(const uint16_t *x, const uint16_t *b, const uint16_t *bias,
+/* The sums of one block of 32 output columns (silu: of the gate's block and of the up's,
+ * `n` blocks of 32 further on) for rows row0 .. row0 + rows0 + rows1 - 1 of x into `sums`,
+ * writing `pending` meanwhile; the block is then `next`, pending. */
+static inline void block_rows(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                               uint16_t *y, int block, int row0, int rows0, int rows1, int n,
-                              int k, int prefetch) {
-    float c[4][256] __attribute__((aligned(64)));
-    block_sums(x, b, row0, rows1, k, prefetch);
-    store_sums(c, rows1);
-    uint16_t *out = y + (int64_t)row0 * n + 32 * block;
-    const __m512 b0 = bias ? (__m512)load_bf16(bias + 32 * block) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? (__m512)load_bf16(bias + 32 * block + 16) : _mm512_setzero_ps();
-    store_pairs(rows0, c[0], c[1], b0, b1, out, n);
-    if (rows1)
-        store_pairs(rows1, c[2], c[3], b0, b1, out + 16 * (int64_t)n, n);
-}
-
-/* A C tile's row rounded to bf16 as `store_pairs` rounds it, back in fp32. */
-static inline f16v as_output(const float *c) {
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_load_ps(c));
-    return (f16v)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
-}
-
-/* silu(gate) * up for tile_rows rows of 32 columns: gate's and up's sums (two C tiles each)
- * rounded to bf16 as the matmul's output would be, then `layer_ops.c`'s silu_mul on them. */
-static inline void store_silu(int tile_rows, const float (*gate)[256], const float (*up)[256],
-                              uint16_t *y, int64_t n) {
-    for (int r = 0; r < tile_rows; r++)
-        for (int half = 0; half < 2; half++) {
-            const f16v g = as_output(gate[half] + 16 * r);
-            const f16v silu = rnd(g / (1.f + exp_v(-g)), 1);
-            store_v(y, r * n + 16 * half, silu * as_output(up[half] + 16 * r), 1);
-        }
-}
-
-/* silu(gate) * up of one block of 32 columns of gate (block) and of up (block + inter / 32),
- * for rows row0 .. of x. */
-static inline void silu_rows(const uint16_t *x, const uint16_t *packed, uint16_t *y, int block,
-                             int row0, int rows0, int rows1, int inter, int k, int prefetch) {
-    float gate[4][256] __attribute__((aligned(64))), up[4][256] __attribute__((aligned(64)));
-    block_sums(x, packed + (int64_t)block * 32 * k, row0, rows1, k, prefetch);
-    store_sums(gate, rows1);
-    block_sums(x, packed + (int64_t)(block + inter / 32) * 32 * k, row0, rows1, k, prefetch);
-    store_sums(up, rows1);
-    uint16_t *out = y + (int64_t)row0 * inter + 32 * block;
-    store_silu(rows0, gate, up, out, inter);
-    if (rows1)
-        store_silu(rows1, gate + 2, up + 2, out + 16 * (int64_t)inter, inter);
+                              int k, int prefetch, int stream, int silu, const Pending *pending,
+                              float (*sums)[256], Pending *next) {
+    block_sums(x, packed + (int64_t)block * 32 * k, row0, rows1, k, prefetch, stream, pending);
+    store_sums(sums, rows1);
+    if (silu) {
+        block_sums(x, packed + (int64_t)(block + n / 32) * 32 * k, row0, rows1, k, prefetch,
+                   stream, NULL);
+        store_sums(sums + 4, rows1);
+    }
+    next->sums = (const float (*)[256])sums;
+    next->out = y + (int64_t)row0 * n + 32 * block;
+    next->n = n;
+    next->b0 = bias ? (__m512)load_bf16(bias + 32 * block) : _mm512_setzero_ps();
+    next->b1 = bias ? (__m512)load_bf16(bias + 32 * block + 16) : _mm512_setzero_ps();
+    next->rows0 = rows0, next->rows1 = rows1, next->silu = silu;
 }
 
 /* A thread's blocks in panels of PANEL_BLOCKS (256 columns of the weight, 295-786 KB of the
@@ -176,12 +195,16 @@ static inline void silu_rows(const uint16_t *x, const uint16_t *packed, uint16_t
 #define PANEL_BLOCKS 8
 
 /* silu: y is silu(gate) * up of a fused gate-up projection, n its width (the projection's
- * half; `amx_matmul_silu`). */
+ * half; `amx_matmul_silu`). stream: `block_sums`'. Each block is written to y while the
+ * next one's sums run, the last after them. */
 static void blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                   int rows, int n, int k, int first, int last, int silu) {
+                   int rows, int n, int k, int first, int last, int silu, int stream) {
     const int tail = rows % 32 ? rows % 32 : 32; /* rows in the last run of 32 */
     const int full_runs = (rows - tail) / 32;
     int configured = -1; /* the run whose shape the tiles hold: full (0) or the tail (1) */
+    float sums[2][8][256] __attribute__((aligned(64))); /* the pending block's, the next one's */
+    Pending pending[2];
+    int count = 0; /* blocks summed so far: the latest is pending */
     for (int panel = first; panel < last; panel += PANEL_BLOCKS) {
         const int panel_end = panel + PANEL_BLOCKS < last ? panel + PANEL_BLOCKS : last;
         for (int run = 0; run <= full_runs; run++) {
@@ -192,30 +215,67 @@ static void blocks(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
                 configure(rows0, run_rows - rows0);
                 configured = is_tail;
             }
-            for (int block = panel; block < panel_end; block++)
-                if (silu)
-                    silu_rows(x, packed, y, block, 32 * run, rows0, run_rows - rows0, n, k,
-                              run == 0);
-                else
-                    block_rows(x, packed + (int64_t)block * 32 * k, bias, y, block, 32 * run,
-                               rows0, run_rows - rows0, n, k, run == 0);
+            for (int block = panel; block < panel_end; block++, count++)
+                block_rows(x, packed, bias, y, block, 32 * run, rows0, run_rows - rows0, n, k,
+                           run == 0, stream, silu, count ? &pending[(count - 1) & 1] : NULL,
+                           sums[count & 1], &pending[count & 1]);
         }
     }
+    if (count) write_rows(&pending[(count - 1) & 1], 0, 32);
 }
 
 /* A matmul of more than SHARE_MIN_ROWS rows (a prompt's, or a decode step's of 17 or more
  * sequences) is shared out in items of a panel's blocks times SHARE_ROWS rows: each thread
- * takes the items of its own blocks front to back, then what is left of the others' from
+ * takes the items of its own share front to back, then what is left of the others' from
  * the back. At 1-16 rows, where a matmul streams its weights and takes 0.2 ms a layer, the
- * fixed shares were as fast (session 31). */
+ * fixed shares were as fast (session 31).
+ *
+ * A thread's share is a rectangle of rows times blocks. Up to ROW_SHARE_MIN_ROWS rows it is
+ * its contiguous run of the blocks over every row: each weight is read by one thread, and x
+ * is small. From there on it is its contiguous run of the rows (as `layer_ops.c`'s static
+ * split hands them out) over every block: x is then the larger operand, and a thread's rows
+ * stay in its own L2 from panel to panel where, shared by blocks, every thread re-read every
+ * row of x (2.4 MB at 2,048 rows of the default model) from L3 once a panel. */
 #define SHARE_ROWS 128
 #define SHARE_MIN_ROWS 16
+#define STREAM_MIN_ROWS 64 /* past this many rows (a prompt's), `block_sums` streams B */
+#define ROW_SHARE_MIN_ROWS 1024
 #define MAX_THREADS 64
 
-static int sharing = 1; /* 0: every thread its fixed share, as before session 31 */
+static int sharing = 1; /* 0: every thread its fixed share of the blocks, as before session 31 */
+static int row_share_min_rows = ROW_SHARE_MIN_ROWS;
 
 /* Items and stealing on (1, the default) or off (0): `bench.matmul_share` compares the two. */
 void amx_share(int on) { sharing = on; }
+
+/* The rows from which the threads' shares are rows, not blocks, set to `min_rows`; the rows
+it was (`bench.matmul_share` compares the two). */
+int amx_row_share(int min_rows) {
+    const int was = row_share_min_rows;
+    row_share_min_rows = min_rows;
+    return was;
+}
+
+/* A thread's rectangle: rows [row0, row1), blocks [first, last), in items of a panel times
+ * SHARE_ROWS rows (panel-major: a panel stays in L2 while its rows cross it). */
+typedef struct {
+    int row0, row1, first, last;
+} Rect;
+
+static Rect rect_of(int rows, int num_blocks, int owner, int threads, int by_rows) {
+    Rect r = {0, rows, 0, num_blocks};
+    if (by_rows)
+        share_of(rows, owner, threads, &r.row0, &r.row1);
+    else
+        share_of(num_blocks, owner, threads, &r.first, &r.last);
+    return r;
+}
+
+static int rect_chunks(Rect r) { return (r.row1 - r.row0 + SHARE_ROWS - 1) / SHARE_ROWS; }
+
+static int rect_items(Rect r) {
+    return (r.last - r.first + PANEL_BLOCKS - 1) / PANEL_BLOCKS * rect_chunks(r);
+}
 
 /* A thread's items not yet taken, [front, back), in one word so that its owner (from the
  * front) and the others (from the back) never take the same one. */
@@ -237,36 +297,31 @@ static int take(Share *share, int from_back) {
 }
 
 static void share_item(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
-                       uint16_t *y, int rows, int n, int k, int silu, int threads, int owner,
-                       int item) {
-    const int chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
-    int first, last;
-    share_of(n / 32, owner, threads, &first, &last);
-    const int panel = first + item / chunks * PANEL_BLOCKS, row0 = item % chunks * SHARE_ROWS;
-    const int panel_end = panel + PANEL_BLOCKS < last ? panel + PANEL_BLOCKS : last;
-    const int chunk_rows = rows - row0 < SHARE_ROWS ? rows - row0 : SHARE_ROWS;
+                       uint16_t *y, int n, int k, int silu, int stream, Rect r, int item) {
+    const int chunks = rect_chunks(r);
+    const int panel = r.first + item / chunks * PANEL_BLOCKS;
+    const int row0 = r.row0 + item % chunks * SHARE_ROWS;
+    const int panel_end = panel + PANEL_BLOCKS < r.last ? panel + PANEL_BLOCKS : r.last;
+    const int chunk_rows = r.row1 - row0 < SHARE_ROWS ? r.row1 - row0 : SHARE_ROWS;
     blocks(x + (int64_t)row0 * k, packed, bias, y + (int64_t)row0 * n, chunk_rows, n, k, panel,
-           panel_end, silu);
+           panel_end, silu, stream);
 }
 
 static int matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                   int rows, int n, int k, int silu) {
     if (rows < 1 || n % 32 || k % 32 || !amx_available()) return 1;
-    const int num_blocks = n / 32;
+    const int num_blocks = n / 32, stream = rows > STREAM_MIN_ROWS;
 #ifdef _OPENMP
     const int threads = omp_get_max_threads() < MAX_THREADS ? omp_get_max_threads() : MAX_THREADS;
 #else
     const int threads = 1;
 #endif
     if (sharing && rows > SHARE_MIN_ROWS && threads > 1) {
+        const int by_rows = rows >= row_share_min_rows;
         Share shares[MAX_THREADS];
-        const int chunks = (rows + SHARE_ROWS - 1) / SHARE_ROWS;
-        for (int t = 0; t < threads; t++) {
-            int first, last;
-            share_of(num_blocks, t, threads, &first, &last);
-            const int panels = (last - first + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
-            shares[t].range = (uint64_t)(panels * chunks) << 32;
-        }
+        for (int t = 0; t < threads; t++)
+            shares[t].range = (uint64_t)rect_items(rect_of(rows, num_blocks, t, threads, by_rows))
+                              << 32;
 #pragma omp parallel
         {
 #ifdef _OPENMP
@@ -276,9 +331,10 @@ static int matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bia
 #endif
             for (int i = 0; i < threads; i++) {
                 const int owner = (me + i) % threads;
+                const Rect r = rect_of(rows, num_blocks, owner, threads, by_rows);
                 int item;
                 while ((item = take(&shares[owner], owner != me)) >= 0)
-                    share_item(x, packed, bias, y, rows, n, k, silu, threads, owner, item);
+                    share_item(x, packed, bias, y, n, k, silu, stream, r, item);
             }
             _tile_release();
         }
@@ -289,7 +345,7 @@ static int matmul(const uint16_t *x, const uint16_t *packed, const uint16_t *bia
         int first, last;
         thread_share(num_blocks, &first, &last);
         if (first < last) {
-            blocks(x, packed, bias, y, rows, n, k, first, last, silu);
+            blocks(x, packed, bias, y, rows, n, k, first, last, silu, stream);
             _tile_release();
         }
     }
@@ -315,6 +371,8 @@ int amx_matmul_silu(const uint16_t *x, const uint16_t *packed, const uint16_t *b
 #else /* no AMX here: the callers keep oneDNN */
 
 void amx_share(int on) { (void)on; }
+
+int amx_row_share(int min_rows) { return min_rows; }
 
 int amx_available(void) { return 0; }
 
