@@ -124,7 +124,8 @@ static inline void write_rows(const Pending *p, int r0, int r1) {
  * steps 2.8x slower on an Intel host whose 300 MB L3 holds the weights from step to step
  * (session 30). */
 static inline void block_sums(const uint16_t *x, const uint16_t *b, int row0, int rows1, int k,
-                              int prefetch, int stream, const Pending *pending) {
+                              int prefetch, int stream, const Pending *pending, int from,
+                              int to) {
     const int64_t stride = (int64_t)k * 2;
     const uint16_t *a0 = x + (int64_t)row0 * k, *a1 = a0 + 16 * (int64_t)k;
     const int steps = k / 32;
@@ -153,7 +154,9 @@ static inline void block_sums(const uint16_t *x, const uint16_t *b, int row0, in
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (pending) write_rows(pending, 32 * step / steps, 32 * (step + 1) / steps);
+        if (pending)
+            write_rows(pending, from + (to - from) * step / steps,
+                       from + (to - from) * (step + 1) / steps);
     }
 }
 
@@ -174,11 +177,13 @@ static inline void block_rows(const uint16_t *x, const uint16_t *packed, const u
                               uint16_t *y, int block, int row0, int rows0, int rows1, int n,
                               int k, int prefetch, int stream, int silu, const Pending *pending,
                               float (*sums)[256], Pending *next) {
-    block_sums(x, packed + (int64_t)block * 32 * k, row0, rows1, k, prefetch, stream, pending);
+    const int half = silu ? 16 : 32; /* the pending rows written beside the first sums */
+    block_sums(x, packed + (int64_t)block * 32 * k, row0, rows1, k, prefetch, stream, pending, 0,
+               half);
     store_sums(sums, rows1);
     if (silu) {
         block_sums(x, packed + (int64_t)(block + n / 32) * 32 * k, row0, rows1, k, prefetch,
-                   stream, NULL);
+                   stream, pending, half, 32);
         store_sums(sums + 4, rows1);
     }
     next->sums = (const float (*)[256])sums;
