@@ -2,8 +2,12 @@
 torch's SDPA on the same chunk, at the default model's shapes (9 query heads, 3 KV heads,
 head dimension 64, blocks of 16), for whole prompts and later chunks of long ones. What
 `cpu_attention.has_amx` chooses between is judged by this (docs/benchmarks.md, session 25).
+`--steps`: one layer of a step's prompt chunks (each of its own sequence, rows one after the
+other as the runner packs them), the kernel called once a chunk (`paged_prefill`, as `attend`
+did up to session 34) against once for them all (`paged_prefill_spans`), taking turns.
 
     python -m bench.prompt_attention --json bench/results/prompt-attention-cpu.json
+    python -m bench.prompt_attention --steps --json bench/results/prompt-spans-cpu.json
 """
 
 from __future__ import annotations
@@ -78,15 +82,79 @@ def measure(repeat: int = 20) -> list[dict]:
     return rows
 
 
+STEP_CASES = [(32, 64), (16, 128), (8, 256), (4, 512), (2, 1024)]  # (chunks, tokens each)
+
+
+def measure_steps(repeat: int = 20) -> list[dict]:
+    """Median ms of one layer's chunks, a call each against one call, taking turns."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for count, tokens in STEP_CASES:
+        per_chunk = -(-tokens // BLOCK)
+        shape = (KV_HEADS, count * per_chunk, BLOCK, DIM)
+        k_pool = torch.randn(shape, generator=generator).to(torch.bfloat16)
+        v_pool = torch.randn(shape, generator=generator).to(torch.bfloat16)
+        order = torch.randperm(count * per_chunk, generator=generator).to(torch.int32)
+        chunks = [
+            (c * tokens, tokens, 0, order[c * per_chunk : (c + 1) * per_chunk])
+            for c in range(count)
+        ]
+        spans = cpu_attention.PromptSpans.of(chunks)
+        q = torch.randn(count * tokens, HEADS, DIM, generator=generator).to(torch.bfloat16)
+        out = torch.empty_like(q)
+
+        def each(q=q, k_pool=k_pool, v_pool=v_pool, chunks=chunks, out=out):
+            for first, length, start, table in chunks:
+                rows_of = slice(first, first + length)
+                out[rows_of] = cpu_attention.paged_prefill(
+                    q[rows_of], k_pool, v_pool, table, start, SCALE
+                )
+
+        def together(q=q, k_pool=k_pool, v_pool=v_pool, spans=spans, out=out):
+            cpu_attention.paged_prefill_spans(q, k_pool, v_pool, spans, out, SCALE)
+
+        times: dict[str, list[float]] = {"each": [], "together": []}
+        for index in range(repeat + 2):  # the first two rounds a warm-up
+            for name, fn in (("each", each), ("together", together))[:: 1 if index % 2 else -1]:
+                started = time.perf_counter()
+                fn()
+                if index >= 2:
+                    times[name].append(time.perf_counter() - started)
+        each()
+        by_chunk = out.clone()
+        together()
+        ms = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+        rows.append(
+            {
+                "chunks": count,
+                "tokens": tokens,
+                "each_ms": ms["each"],
+                "together_ms": ms["together"],
+                "together_over_each": ms["together"] / ms["each"],
+                "same_bits": torch.equal(out, by_chunk),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--steps", action="store_true", help="a step's chunks: each or together")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    rows = measure(args.repeat)
+    if args.steps and not cpu_attention.has_prefill_kernel():
+        raise SystemExit("the prompt kernel is not built here (a CPU with AVX512-BF16)")
+    rows = measure_steps(args.repeat) if args.steps else measure(args.repeat)
     print(f"threads {torch.get_num_threads()}; AMX {cpu_attention.has_amx()}; median ms")
-    for row in rows:
+    for row in rows if args.steps else []:
+        print(
+            f"{row['chunks']:3d} x {row['tokens']:5d}: each {row['each_ms']:7.2f}  together "
+            f"{row['together_ms']:7.2f} ({row['together_over_each']:.2f}x; same bits: "
+            f"{row['same_bits']})"
+        )
+    for row in [] if args.steps else rows:
         kernel = row.get("kernel_ms")
         versus = f"{kernel:8.2f} ms kernel, {kernel / row['sdpa_ms']:.2f}x" if kernel else ""
         print(f"{row['tokens']:5d} at {row['start']:5d}: {row['sdpa_ms']:8.2f} ms SDPA {versus}")

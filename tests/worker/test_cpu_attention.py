@@ -228,15 +228,50 @@ def test_the_prompt_kernel_attends_as_sdpa_does(
     assert not torch.equal(moved[-1], got[-1])
 
 
+@needs_prefill_kernel
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_steps_prompt_chunks_in_one_call_are_each_chunk_alone(monkeypatch, amx):
+    """Every chunk of a step in one call (`paged_prefill_spans`, as `attend` takes them):
+    chunks of their own sequences in one pool, of different lengths and starts, one after
+    the other in the step's rows behind two decodes, and q read in place from a wider tensor
+    (the forward's fused QKV output, rows 960 wide): each chunk's rows are `paged_prefill`'s
+    of it alone, bit for bit, and the decodes' rows are left as they were."""
+    if amx and not amx_matmuls_available():
+        pytest.skip("AMX tiles: an Intel CPU with AMX-BF16")
+    monkeypatch.setenv("LLMFLEET_CPU_AMX", "1" if amx else "0")
+    heads, kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 96
+    generator = torch.Generator().manual_seed(3)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    k_pool = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    v_pool = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    chunks, row = [], 2  # (first row, length, start, table)
+    for start, tokens in [(0, 1), (0, 37), (20, 16), (150, 70), (0, 130)]:
+        table = torch.tensor([free.pop() for _ in range(-(-(start + tokens) // block_size))])
+        chunks.append((row, tokens, start, table.to(torch.int32)))
+        row += tokens
+    qkv = torch.randn(row, 960, generator=generator).to(torch.bfloat16)
+    q = qkv[:, : heads * head_dim].view(row, heads, head_dim)  # rows 960 apart
+    out = torch.full((row, heads, head_dim), 7.0, dtype=torch.bfloat16)
+    spans = cpu_attention.PromptSpans.of(chunks)
+    cpu_attention.paged_prefill_spans(q, k_pool, v_pool, spans, out, head_dim**-0.5)
+    assert torch.equal(out[:2], torch.full_like(out[:2], 7.0))
+    for first, tokens, start, table in chunks:
+        alone = cpu_attention.paged_prefill(
+            q[first : first + tokens], k_pool, v_pool, table, start, head_dim**-0.5
+        )
+        assert torch.equal(out[first : first + tokens], alone)
+
+
 def _counted_prompt_step(monkeypatch):
     """A one-chunk prompt step, and the list that the prompt kernel's calls append to."""
     q, k_pool, v_pool, span = _prefill_case(
         heads=9, kv_heads=3, head_dim=64, block_size=16, start=20, tokens=30
     )
     calls = []
-    kernel = cpu_attention.paged_prefill
+    kernel = cpu_attention.paged_prefill_spans
     monkeypatch.setattr(
-        cpu_attention, "paged_prefill", lambda *a: calls.append(1) or kernel(*a)
+        cpu_attention, "paged_prefill_spans", lambda *a: calls.append(1) or kernel(*a)
     )  # fmt: skip
     step = StepMetadata(torch.zeros(0, dtype=torch.long), [], [span])
     return q, k_pool, v_pool, span, step, calls

@@ -18,8 +18,10 @@ AMX the same kernel computes the scores and the weights times values in AMX tile
 keys and values are already the tiles' layout) and leaves the weights unnormalised, scaling
 the sums once: 1.3-2.3x faster than SDPA there, which multiplies in AMX tiles too and was
 2.5-3.8x faster than the dot products on chunks of 256 tokens or more (`has_amx`; session 31,
-docs/benchmarks.md). Elsewhere (no AVX512-BF16, fp32 models, a GPU, or AMX turned off with
-`LLMFLEET_CPU_AMX=0` on a CPU with AMX) chunks take SDPA.
+docs/benchmarks.md). A step's chunks go in one call a layer (`paged_prefill_spans`), which
+packs and computes them all in one parallel region: a call a chunk cost ~50 us (session 35).
+Elsewhere (no AVX512-BF16, fp32 models, a GPU, or AMX turned off with `LLMFLEET_CPU_AMX=0`
+on a CPU with AMX) chunks take SDPA.
 
 Both are C (`csrc/paged_attention.c`: GCC's vector extensions and, for the prompt kernel,
 AVX-512 intrinsics), built and loaded with the runner's other kernels (`cpu_kernels.py`),
@@ -39,6 +41,7 @@ the weights to bf16 before the values.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -182,3 +185,68 @@ def paged_prefill(
     if status != 0:
         raise RuntimeError(f"paged_prefill failed ({status})")
     return out
+
+
+def paged_prefill_spans(
+    q: torch.Tensor,  # [tokens, heads, head_dim]: the step's queries (rows may be apart)
+    key_pool: torch.Tensor,  # one layer's [kv_heads, blocks, block_size, head_dim], contiguous
+    value_pool: torch.Tensor,
+    spans: PromptSpans,
+    out: torch.Tensor,  # [tokens, heads, head_dim], contiguous: the chunks' rows written
+    scale: float,
+) -> None:
+    """`paged_prefill` of every prompt chunk of a step in one call (one parallel region a
+    layer, not one a chunk): each chunk's rows of `out` from its rows of `q`. Only where
+    `supports_prefill` said so."""
+    library = load()
+    if library is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    _, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:  # each row's heads side by side
+        q = q.contiguous()
+    if not (key_pool.is_contiguous() and value_pool.is_contiguous() and out.is_contiguous()):
+        raise ValueError("paged_prefill_spans: the pools and out must be contiguous")
+    if out.shape != q.shape:
+        raise ValueError("paged_prefill_spans: out is not q's shape")
+    kv_heads, num_blocks, block_size, _ = key_pool.shape
+    status = library.paged_prefill_spans(
+        q.data_ptr(),
+        q.stride(0),
+        key_pool.data_ptr(),
+        value_pool.data_ptr(),
+        spans.spans.data_ptr(),
+        spans.tables.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        spans.count,
+        heads,
+        kv_heads,
+        num_blocks,
+        block_size,
+        head_dim,
+        int(amx_matmuls_available()),
+        scale,
+    )
+    if status != 0:
+        raise RuntimeError(f"paged_prefill_spans failed ({status})")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpans:
+    """A step's prompt chunks as `paged_prefill_spans` reads them, built once a step: per
+    chunk its first query row, its length, its first position and where its block table
+    starts in `tables` (int32 [count, 4]), and the tables one after the other (int32)."""
+
+    spans: torch.Tensor
+    tables: torch.Tensor
+    count: int
+
+    @classmethod
+    def of(cls, chunks: list[tuple[int, int, int, torch.Tensor]]) -> PromptSpans:
+        """From (first query row, length, first position, block table (int32)) a chunk."""
+        rows, at = [], 0
+        for query_start, length, start, table in chunks:
+            rows.append((query_start, length, start, at))
+            at += len(table)
+        tables = torch.cat([table for *_, table in chunks]).to(torch.int32).contiguous()
+        return cls(torch.tensor(rows, dtype=torch.int32), tables, len(chunks))

@@ -51,10 +51,11 @@ _HEADERS = ("vec.h", "amx.h")
 # and denormals-are-zero modes for the whole process when it is loaded, and every float in
 # the process then reads a denormal as 0 (5e-324 became a temperature of 0).
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # name: (argument types, result type)
     "paged_decode": ((*[_P] * 6, *[_I] * 8, _F), _I),
     "paged_prefill": ((*[_P] * 5, *[_I] * 8, _F), _I),
+    "paged_prefill_spans": ((_P, _L, *[_P] * 5, _L, *[_I] * 7, _F), _I),
     "prefill_available": ((), _I),
     "rms_norm": ((*[_P] * 3, _I, _I, _F, _I), None),
     "add_rms_norm": ((*[_P] * 4, _I, _I, _F, _I), None),

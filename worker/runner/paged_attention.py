@@ -18,7 +18,8 @@ and then the registered attention function, which attends per sequence:
 - each prefill chunk in its own SDPA call, causal with the chunk's offset. On a CPU with
   AVX512-BF16 dot products, the kernel takes bf16 chunks instead (`cpu_attention.py`): torch
   2.13's CPU SDPA runs at 20-90 GFLOP/s on these shapes, a quarter of the step's time on a
-  chunk of 384 tokens, where the kernel, on one thread, is 2-5x faster. On a GPU a step's
+  chunk of 384 tokens, where the kernel, on one thread, is 2-5x faster. It takes all of a
+  step's chunks in one call a layer (`StepMetadata.prompt_spans`, built once a step). On a GPU a step's
   chunks are padded into one batch and attended in one SDPA call instead (`PrefillBatch`):
   there an eager step's time is its launches, ~8 for each chunk in each layer, not the
   padding's arithmetic (the first GPU check: docs/benchmarks.md).
@@ -105,6 +106,22 @@ class StepMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     prefill_batch: PrefillBatch | None = None  # set: the prefills in one call (a GPU's way)
+    # On the CPU, every prefill's block table (int32): their kernel's input, built on first use
+    _prompt_spans: cpu_attention.PromptSpans | None = None
+
+    def prompt_spans(self) -> cpu_attention.PromptSpans:
+        """The prefills as the CPU's prompt kernel takes them all in one call (`PromptSpans`):
+        built once a step, read by every layer."""
+        if self._prompt_spans is None:
+            self._prompt_spans = cpu_attention.PromptSpans.of(
+                [
+                    (span.query_start, span.query_end - span.query_start,
+                     span.num_context - (span.query_end - span.query_start), span.table)
+                    for span in self.prefills
+                    if span.table is not None
+                ]
+            )  # fmt: skip
+        return self._prompt_spans
 
 
 class PagedKVCache:
@@ -153,17 +170,19 @@ def attend(q, key_pool, value_pool, step: StepMetadata, scaling=None) -> torch.T
             q, key_pool, value_pool, batch, scaling
         )
         return out
-    prefill_kernel = bool(step.prefills) and cpu_attention.supports_prefill(q, key_pool)
+    if not step.prefills:
+        return out
+    if cpu_attention.supports_prefill(q, key_pool) and all(
+        span.table is not None for span in step.prefills
+    ):  # every chunk in one call of the CPU's kernel
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        spans = step.prompt_spans()
+        cpu_attention.paged_prefill_spans(
+            q.transpose(0, 1), key_pool, value_pool, spans, out, scale
+        )
+        return out
     for span in step.prefills:
-        rows = slice(span.query_start, span.query_end)
-        if prefill_kernel and span.table is not None:
-            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-            start = span.num_context - (span.query_end - span.query_start)
-            out[rows] = cpu_attention.paged_prefill(
-                q[:, rows].transpose(0, 1), key_pool, value_pool, span.table, start, scale
-            )
-        else:
-            out[rows] = _prefill(q, key_pool, value_pool, span, scaling)
+        out[span.query_start : span.query_end] = _prefill(q, key_pool, value_pool, span, scaling)
     return out
 
 

@@ -497,12 +497,14 @@ int paged_decode(const void *q, const void *k_pool, const void *v_pool,
 int prefill_available(void) { return 1; }
 
 typedef struct {
-    const uint16_t *q, *k_pool, *v_pool; /* [n, heads, dim]; [kv_heads, blocks, block_size, dim] */
+    const uint16_t *q, *k_pool, *v_pool; /* the chunk's [n, heads, dim] rows (q_stride apart);
+                                            [kv_heads, blocks, block_size, dim] */
     const int32_t *table;                /* the sequence's block table */
-    uint16_t *out;                       /* [n, heads, dim] */
+    uint16_t *out;                       /* [n, heads, dim] rows, out_stride apart */
     int n, start, heads, kv_heads, num_blocks, block_size, dim;
     int amx; /* the tiles in AMX (`prefill_tile_amx`) */
     float scale;
+    int64_t q_stride, out_stride; /* elements from a query's row to the next one's */
 } Prefill;
 
 static inline const uint32_t *pool_row(const Prefill *s, const uint16_t *pool, int kvh, int pos) {
@@ -610,8 +612,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
     /* row r: query position i0 + r % tn of the group's head r / tn */
     const uint32_t *q[TILE * 16];
     for (int r = 0; r < rows; r++)
-        q[r] = (const uint32_t *)(s->q + ((int64_t)(i0 + r % tn) * s->heads +
-                                          (int64_t)kvh * group + r / tn) * dim);
+        q[r] = (const uint32_t *)(s->q + (int64_t)(i0 + r % tn) * s->q_stride +
+                                  ((int64_t)kvh * group + r / tn) * dim);
     for (int r0 = 0; r0 < rows; r0 += ROWS_QK) { /* scores */
         const uint32_t *qr[ROWS_QK];
         for (int j = 0; j < ROWS_QK; j++) qr[j] = q[r0 + j < rows ? r0 + j : r0];
@@ -649,8 +651,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
         }
         for (int j = 0; j < RPV && r0 + j < rows; j++) {
             const int r = r0 + j;
-            uint16_t *dst = s->out + ((int64_t)(i0 + r % tn) * s->heads +
-                                      (int64_t)kvh * group + r / tn) * dim;
+            uint16_t *dst = s->out + (int64_t)(i0 + r % tn) * s->out_stride +
+                            ((int64_t)kvh * group + r / tn) * dim;
             for (int c = 0; c < DIMV; c++)
                 _mm256_storeu_si256((__m256i *)(dst + c * 16),
                                     (__m256i)_mm512_cvtneps_pbh(o[j * DIMV + c]));
@@ -708,9 +710,9 @@ static void prefill_tile_amx(const Prefill *s, int kvh, int i0, const int DIMV, 
     const int tile_blocks = (s->start + i0 + tn - 1) / 16 + 1;
     const int tiles[8] = {tn, tn, tn, tn, tn, 16, 16, 16};
     configure_tiles(tiles);
-    const int64_t q_stride = (int64_t)s->heads * dim * 2, k_block = (int64_t)half * 16;
+    const int64_t q_stride = s->q_stride * 2, k_block = (int64_t)half * 16;
     for (int g = 0; g < group; g++) { /* scores: sc's row g * tn + i, query position i0 + i */
-        const uint16_t *q = s->q + ((int64_t)i0 * s->heads + (int64_t)kvh * group + g) * dim;
+        const uint16_t *q = s->q + (int64_t)i0 * s->q_stride + ((int64_t)kvh * group + g) * dim;
         for (int b = 0; b < tile_blocks; b += 4) {
             const int nb = tile_blocks - b < 4 ? tile_blocks - b : 4;
             zero_products();
@@ -726,7 +728,7 @@ static void prefill_tile_amx(const Prefill *s, int kvh, int i0, const int DIMV, 
     const int key_steps = (tile_blocks + 1) / 2; /* 32 keys each: the weights are zero past */
     for (int g = 0; g < group; g++) {
         const uint32_t *w = pw + (int64_t)g * tn * (stride / 2);
-        uint16_t *out = s->out + ((int64_t)i0 * s->heads + (int64_t)kvh * group + g) * dim;
+        uint16_t *out = s->out + (int64_t)i0 * s->out_stride + ((int64_t)kvh * group + g) * dim;
         for (int t0 = 0; t0 < DIMV; t0 += 4) {
             const int nt = DIMV - t0 < 4 ? DIMV - t0 : 4;
             zero_products();
@@ -738,7 +740,7 @@ static void prefill_tile_amx(const Prefill *s, int kvh, int i0, const int DIMV, 
                 const __m512 by_sum = _mm512_set1_ps(inv[g * tn + i]);
                 for (int t = 0; t < nt; t++)
                     _mm256_storeu_si256(
-                        (__m256i *)(out + (int64_t)i * s->heads * dim + 16 * (t0 + t)),
+                        (__m256i *)(out + (int64_t)i * s->out_stride + 16 * (t0 + t)),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[t] + 16 * i), by_sum)));
             }
         }
@@ -746,70 +748,140 @@ static void prefill_tile_amx(const Prefill *s, int kvh, int i0, const int DIMV, 
 }
 #endif
 
-/* The tiles of every KV head shared out over torch's own OpenMP threads (the kernel links the
- * libgomp torch has loaded, so no second pool competes with torch's), longest tiles first. */
-static int prefill_run(const Prefill *s, const int DIMV) {
-    const int dim = DIMV * 16, key_blocks = packed_blocks(s);
-    const int group = s->heads / s->kv_heads, stride = key_blocks * 16;
-    const int64_t words = (int64_t)key_blocks * 8 * dim; /* packed keys of a head; values alike */
-    uint32_t *kp = aligned_alloc(64, (size_t)words * 2 * s->kv_heads * 4);
-    if (kp == NULL) return -1;
-    uint32_t *vp = kp + words * s->kv_heads;
-    const int tiles = (s->n + TILE - 1) / TILE, items = tiles * s->kv_heads;
+/* One tile's work: a chunk's 16 query positions from i0, for one KV head's query group. */
+typedef struct {
+    int span, kvh, i0, keys; /* keys: the tile's last query sees this many (its cost) */
+} PrefillItem;
+
+static int longer_first(const void *a, const void *b) {
+    return ((const PrefillItem *)b)->keys - ((const PrefillItem *)a)->keys;
+}
+
+/* The chunks of a step (`count` of them, each its own sequence), in one parallel region over
+ * torch's own OpenMP threads (the kernel links the libgomp torch has loaded, so no second
+ * pool competes with torch's): every (chunk, KV head)'s keys and values packed, then every
+ * tile of every chunk, longest first. One call a layer, where a call a chunk cost ~50 us of
+ * fork, join and Python each (a step of 32 chunks of 64 tokens: 960 calls, 62 ms of
+ * attention where the arithmetic is ~5; session 35). */
+static int prefill_run(const Prefill *spans, int count, const int DIMV) {
+    const Prefill *s0 = &spans[0];
+    const int dim = DIMV * 16, kv_heads = s0->kv_heads, group = s0->heads / kv_heads;
+    int64_t total = 0;
+    int max_stride = 0, items = 0;
+    for (int c = 0; c < count; c++) {
+        const int key_blocks = packed_blocks(&spans[c]);
+        total += (int64_t)key_blocks * 8 * dim * 2 * kv_heads;
+        if (key_blocks * 16 > max_stride) max_stride = key_blocks * 16;
+        items += (spans[c].n + TILE - 1) / TILE * kv_heads;
+    }
+    uint32_t *packs = aligned_alloc(64, (size_t)total * 4);
+    int64_t *at = malloc(sizeof(int64_t) * count); /* each chunk's packed keys in `packs` */
+    PrefillItem *list = malloc(sizeof(PrefillItem) * (items ? items : 1));
+    if (packs == NULL || at == NULL || list == NULL) {
+        free(packs), free(at), free(list);
+        return -1;
+    }
+    int item = 0;
+    int64_t offset = 0;
+    for (int c = 0; c < count; c++) {
+        at[c] = offset;
+        offset += packed_blocks(&spans[c]) * 8 * dim * 2 * kv_heads;
+        for (int i0 = 0; i0 < spans[c].n; i0 += TILE)
+            for (int kvh = 0; kvh < kv_heads; kvh++) {
+                const int tn = spans[c].n - i0 < TILE ? spans[c].n - i0 : TILE;
+                list[item++] = (PrefillItem){c, kvh, i0, spans[c].start + i0 + tn};
+            }
+    }
+    qsort(list, items, sizeof(PrefillItem), longer_first);
     int status = 0;
-#pragma omp parallel for if (items > 1)
-    for (int kvh = 0; kvh < s->kv_heads; kvh++)
-        prefill_pack(s, kvh, kp + kvh * words, vp + kvh * words);
 #pragma omp parallel if (items > 1)
     {
-        float *sc = aligned_alloc(64, (size_t)TILE * group * stride * 4);
-        uint32_t *pw = aligned_alloc(64, (size_t)TILE * group * stride * 2);
+#pragma omp for schedule(dynamic, 1)
+        for (int j = 0; j < count * kv_heads; j++) {
+            const Prefill *s = &spans[j / kv_heads];
+            const int64_t words = (int64_t)packed_blocks(s) * 8 * dim; /* a head's keys; values alike */
+            uint32_t *kp = packs + at[j / kv_heads], *vp = kp + words * kv_heads;
+            prefill_pack(s, j % kv_heads, kp + j % kv_heads * words, vp + j % kv_heads * words);
+        }
+        float *sc = aligned_alloc(64, (size_t)TILE * group * max_stride * 4);
+        uint32_t *pw = aligned_alloc(64, (size_t)TILE * group * max_stride * 2);
         if (sc == NULL || pw == NULL) {
 #pragma omp atomic write
             status = -1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int item = items - 1; item >= 0; item--) {
+        for (int j = 0; j < items; j++) {
             if (sc == NULL || pw == NULL) continue;
-            const int kvh = item % s->kv_heads, i0 = item / s->kv_heads * TILE;
+            const PrefillItem it = list[j];
+            const Prefill *s = &spans[it.span];
+            const int stride = packed_blocks(s) * 16;
+            const int64_t words = (int64_t)packed_blocks(s) * 8 * dim;
+            const uint32_t *kp = packs + at[it.span] + it.kvh * words;
+            const uint32_t *vp = packs + at[it.span] + words * kv_heads + it.kvh * words;
 #ifdef LLMFLEET_AMX
             if (s->amx) {
-                prefill_tile_amx(s, kvh, i0, DIMV, kp + kvh * words, vp + kvh * words, sc, pw,
-                                 stride);
+                prefill_tile_amx(s, it.kvh, it.i0, DIMV, kp, vp, sc, pw, stride);
                 continue;
             }
 #endif
-            prefill_tile(s, kvh, i0, DIMV, kp + kvh * words, vp + kvh * words, sc, pw, stride);
+            prefill_tile(s, it.kvh, it.i0, DIMV, kp, vp, sc, pw, stride);
         }
 #ifdef LLMFLEET_AMX
-        if (s->amx) _tile_release();
+        if (s0->amx) _tile_release();
 #endif
         free(sc), free(pw);
     }
-    free(kp);
+    free(packs), free(at), free(list);
     return status;
 }
 
-static int prefill_64(const Prefill *s) { return prefill_run(s, 4); }
-static int prefill_128(const Prefill *s) { return prefill_run(s, 8); }
-static int prefill_any(const Prefill *s) { return prefill_run(s, s->dim / 16); }
+static int prefill_64(const Prefill *s, int count) { return prefill_run(s, count, 4); }
+static int prefill_128(const Prefill *s, int count) { return prefill_run(s, count, 8); }
+static int prefill_any(const Prefill *s, int count) { return prefill_run(s, count, s->dim / 16); }
 
-int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
-                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
-                  int block_size, int dim, int amx, float scale) {
+/* Causal attention of `count` prompt chunks, each of its own sequence: chunk c's queries are
+ * rows spans[4c] .. spans[4c] + spans[4c + 1] - 1 of q and out (q_stride and out_stride
+ * elements apart, each row [heads, dim]), at positions spans[4c + 2] .. over its keys, its
+ * block table at tables + spans[4c + 3]. 0, or < 0 where the shapes are not the kernel's. */
+int paged_prefill_spans(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+                        const int32_t *spans, const int32_t *tables, void *out,
+                        int64_t out_stride, int count, int heads, int kv_heads, int num_blocks,
+                        int block_size, int dim, int amx, float scale) {
     if (dim % 32 || dim / 16 > MAX_DIMV || kv_heads < 1 || heads % kv_heads ||
-        heads / kv_heads > MAX_GROUP || n < 1 || start < 0)
+        heads / kv_heads > MAX_GROUP || count < 1 || q_stride < (int64_t)heads * dim ||
+        out_stride < (int64_t)heads * dim)
         return -2;
+    for (int c = 0; c < count; c++)
+        if (spans[4 * c + 1] < 1 || spans[4 * c + 2] < 0 || spans[4 * c] < 0) return -2;
 #ifdef LLMFLEET_AMX
     amx = amx && amx_available();
 #else
     amx = 0;
 #endif
-    const Prefill s = {q, k_pool, v_pool, table, out, n, start,
-                       heads, kv_heads, num_blocks, block_size, dim, amx, scale};
-    if (dim == 64) return prefill_64(&s);
-    if (dim == 128) return prefill_128(&s);
-    return prefill_any(&s);
+    Prefill *chunks = malloc(sizeof(Prefill) * count);
+    if (chunks == NULL) return -1;
+    for (int c = 0; c < count; c++) {
+        const int32_t *span = spans + 4 * c;
+        chunks[c] = (Prefill){(const uint16_t *)q + span[0] * q_stride, k_pool, v_pool,
+                              tables + span[3], (uint16_t *)out + span[0] * out_stride,
+                              span[1], span[2], heads, kv_heads, num_blocks, block_size, dim,
+                              amx, scale, q_stride, out_stride};
+    }
+    const int status = dim == 64    ? prefill_64(chunks, count)
+                       : dim == 128 ? prefill_128(chunks, count)
+                                    : prefill_any(chunks, count);
+    free(chunks);
+    return status;
+}
+
+/* One chunk: q and out [n, heads, dim], contiguous. */
+int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
+                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
+                  int block_size, int dim, int amx, float scale) {
+    const int32_t span[4] = {0, n, start, 0};
+    const int64_t stride = (int64_t)heads * dim;
+    return paged_prefill_spans(q, stride, k_pool, v_pool, span, table, out, stride, 1, heads,
+                               kv_heads, num_blocks, block_size, dim, amx, scale);
 }
 #else
 int prefill_available(void) { return 0; }
@@ -817,5 +889,11 @@ int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const i
                   void *out, int n, int start, int heads, int kv_heads, int num_blocks,
                   int block_size, int dim, int amx, float scale) {
     return -3; /* not built for this CPU: the caller takes torch's SDPA */
+}
+int paged_prefill_spans(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+                        const int32_t *spans, const int32_t *tables, void *out,
+                        int64_t out_stride, int count, int heads, int kv_heads, int num_blocks,
+                        int block_size, int dim, int amx, float scale) {
+    return -3;
 }
 #endif
