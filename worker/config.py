@@ -23,11 +23,12 @@ class EngineConfig:
     shared_batched_tokens: int | None = 192
     # continuous batching: the budget of a step with no decodes in it, and of one beside
     # decodes while a backlog of prompt work waits (None: max_num_batched_tokens), and the ITL
-    # target that guards the prompt work beside decodes (None: none): 200 ms, about the gap
-    # at which a stream reads as stalling (5 tokens a second); it cuts a backlog's steps on a
-    # CPU and never binds on a GPU (token_budget.py, docs/benchmarks.md)
+    # target that guards the prompt work beside decodes (None: none): 150 ms, well inside the
+    # gap at which a stream reads as stalling (200 ms, 5 tokens a second: the default up to
+    # session 34, until prompt steps got 20-25% cheaper); it cuts a backlog's steps on a CPU
+    # and never binds on a GPU (token_budget.py, docs/benchmarks.md, session 35)
     max_num_prefill_tokens: int | None = 2048
-    itl_target_ms: float | None = 200.0
+    itl_target_ms: float | None = 150.0
     block_size: int = 16  # tokens per KV block
     kv_cache_gb: float | None = (
         None  # KV pool size; None: 2 GB on CPU, a fraction of free GPU memory
