@@ -19,10 +19,10 @@ and then the registered attention function, which attends per sequence:
   AVX512-BF16 dot products, the kernel takes bf16 chunks instead (`cpu_attention.py`): torch
   2.13's CPU SDPA runs at 20-90 GFLOP/s on these shapes, a quarter of the step's time on a
   chunk of 384 tokens, where the kernel, on one thread, is 2-5x faster. It takes all of a
-  step's chunks in one call a layer (`StepMetadata.prompt_spans`, built once a step). On a GPU a step's
-  chunks are padded into one batch and attended in one SDPA call instead (`PrefillBatch`):
-  there an eager step's time is its launches, ~8 for each chunk in each layer, not the
-  padding's arithmetic (the first GPU check: docs/benchmarks.md).
+  step's chunks in one call a layer (`StepMetadata.prompt_spans`, built once a step). On a
+  GPU a step's chunks are padded into one batch and attended in one SDPA call instead
+  (`PrefillBatch`): there an eager step's time is its launches, ~8 for each chunk in each
+  layer, not the padding's arithmetic (the first GPU check: docs/benchmarks.md).
 
 The pool is laid out by KV head, then block ([layers, kv_heads, blocks, block_size,
 head_dim]), so keys are gathered a whole block at a time (one contiguous copy per block, not
@@ -106,7 +106,7 @@ class StepMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     prefill_batch: PrefillBatch | None = None  # set: the prefills in one call (a GPU's way)
-    # On the CPU, every prefill's block table (int32): their kernel's input, built on first use
+    # On the CPU, the prefills as the prompt kernel reads them (`prompt_spans`), made once
     _prompt_spans: cpu_attention.PromptSpans | None = None
 
     def prompt_spans(self) -> cpu_attention.PromptSpans:

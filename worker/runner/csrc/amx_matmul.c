@@ -23,10 +23,10 @@
  * each block's k in steps of 32, each step two B tiles of 1 KB: tile[r][2c + j] = w[16 * t + c]
  * [32 * s + 2 * r + j] (AMX's pairs of k side by side). A thread's work is whole blocks; for
  * each block and each 32 rows of x it keeps four C tiles (2 x 2 of 16 x 16 fp32) and, per
- * step of k, loads two A tiles (x, straight from its rows) and two B tiles (`tileloadd`:
- * the streaming hint, `tileloaddt1`, made one matmul alone 3-11% faster but the engine's
- * decode steps 2.8x slower on an Intel host whose 300 MB L3 holds the weights from step to
- * step; session 30). n and k are multiples of 32 (checked by the caller). */
+ * step of k, loads two A tiles (x, straight from its rows) and two B tiles (`tileloadd` at a
+ * decode step's rows, `tileloaddt1` at a prompt's: `block_sums`). Each block is rounded and
+ * written to y while the next one's products run (`Pending`). n and k are multiples of 32
+ * (checked by the caller). */
 #include <stdint.h>
 #include <string.h>
 
@@ -116,13 +116,13 @@ static inline void write_rows(const Pending *p, int r0, int r1) {
 }
 
 /* One block's sums for rows row0 .. row0 + 15 (C tiles 0-1) and row0 + 16 .. (tiles 2-3, where
- * rows1), over all of k, in C tiles 0-3; `pending` (if any) written meanwhile. `stream`: the
- * B tiles loaded with `tileloaddt1`, which keeps them out of L1 (a prompt's rows: x's run of
- * 32 rows, read again by every block of the panel, then stays in L1, where each block's B
- * tiles passing through pushed it out to L2; 1.2-1.35x the default model's matmuls at 128-
- * 2,048 rows, session 35). A decode step's few rows keep `tileloadd`: there the hint made the
- * steps 2.8x slower on an Intel host whose 300 MB L3 holds the weights from step to step
- * (session 30). */
+ * rows1), over all of k, in C tiles 0-3; rows [from, to) of `pending` (if any) written
+ * meanwhile, spread over the steps of k. `stream`: the B tiles loaded with `tileloaddt1`,
+ * which keeps them out of L1 (a prompt's rows: x's run of 32 rows, read again by every block
+ * of the panel, then stays in L1, where each block's B tiles passing through pushed it out to
+ * L2; 1.2-1.35x the default model's matmuls at 128-2,048 rows, session 35). A decode step's
+ * few rows keep `tileloadd`: there the hint made the steps 2.8x slower on an Intel host
+ * whose 300 MB L3 holds the weights from step to step (session 30). */
 static inline void block_sums(const uint16_t *x, const uint16_t *b, int row0, int rows1, int k,
                               int prefetch, int stream, const Pending *pending, int from,
                               int to) {
