@@ -152,38 +152,20 @@ def paged_prefill(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of a chunk at positions `start ..` over the sequence's keys up to
-    each query's own: [tokens, heads, head_dim]. Only where `supports_prefill` said so."""
-    library = load()
-    if library is None:
-        raise RuntimeError("the CPU attention kernel is not available")
+    each query's own: [tokens, heads, head_dim] (`paged_prefill_spans` of the one chunk).
+    Only where `supports_prefill` said so."""
     q = q.contiguous()
     if not (key_pool.is_contiguous() and value_pool.is_contiguous() and table.is_contiguous()):
         raise ValueError("paged_prefill: the pools and the table must be contiguous")
     if table.dtype != torch.int32:
         raise ValueError("paged_prefill: the table is int32")
-    tokens, heads, head_dim = q.shape
-    kv_heads, num_blocks, block_size, _ = key_pool.shape
-    if table.shape[0] * block_size < start + tokens:
+    tokens = q.shape[0]
+    if table.shape[0] * key_pool.shape[2] < start + tokens:
         raise ValueError("paged_prefill: the table is shorter than the chunk's end")
     out = torch.empty_like(q)
-    status = library.paged_prefill(
-        q.data_ptr(),
-        key_pool.data_ptr(),
-        value_pool.data_ptr(),
-        table.data_ptr(),
-        out.data_ptr(),
-        tokens,
-        start,
-        heads,
-        kv_heads,
-        num_blocks,
-        block_size,
-        head_dim,
-        int(amx_matmuls_available()),
-        scale,
+    paged_prefill_spans(
+        q, key_pool, value_pool, PromptSpans.of([(0, tokens, start, table)]), out, scale
     )
-    if status != 0:
-        raise RuntimeError(f"paged_prefill failed ({status})")
     return out
 
 
@@ -209,15 +191,16 @@ def paged_prefill_spans(
     if out.shape != q.shape:
         raise ValueError("paged_prefill_spans: out is not q's shape")
     kv_heads, num_blocks, block_size, _ = key_pool.shape
+    row = heads * head_dim  # a one-row tensor's stride(0) may be anything: its rows are `row`
     status = library.paged_prefill_spans(
         q.data_ptr(),
-        q.stride(0),
+        q.stride(0) if len(q) > 1 else row,
         key_pool.data_ptr(),
         value_pool.data_ptr(),
         spans.spans.data_ptr(),
         spans.tables.data_ptr(),
         out.data_ptr(),
-        out.stride(0),
+        out.stride(0) if len(out) > 1 else row,
         spans.count,
         heads,
         kv_heads,

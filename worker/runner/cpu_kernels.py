@@ -54,7 +54,6 @@ _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-sha
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {  # name: (argument types, result type)
     "paged_decode": ((*[_P] * 6, *[_I] * 8, _F), _I),
-    "paged_prefill": ((*[_P] * 5, *[_I] * 8, _F), _I),
     "paged_prefill_spans": ((_P, _L, *[_P] * 5, _L, *[_I] * 7, _F), _I),
     "prefill_available": ((), _I),
     "rms_norm": ((*[_P] * 3, _I, _I, _F, _I), None),

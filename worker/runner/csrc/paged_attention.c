@@ -874,26 +874,12 @@ int paged_prefill_spans(const void *q, int64_t q_stride, const void *k_pool, con
     return status;
 }
 
-/* One chunk: q and out [n, heads, dim], contiguous. */
-int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
-                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
-                  int block_size, int dim, int amx, float scale) {
-    const int32_t span[4] = {0, n, start, 0};
-    const int64_t stride = (int64_t)heads * dim;
-    return paged_prefill_spans(q, stride, k_pool, v_pool, span, table, out, stride, 1, heads,
-                               kv_heads, num_blocks, block_size, dim, amx, scale);
-}
 #else
 int prefill_available(void) { return 0; }
-int paged_prefill(const void *q, const void *k_pool, const void *v_pool, const int32_t *table,
-                  void *out, int n, int start, int heads, int kv_heads, int num_blocks,
-                  int block_size, int dim, int amx, float scale) {
-    return -3; /* not built for this CPU: the caller takes torch's SDPA */
-}
 int paged_prefill_spans(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                         const int32_t *spans, const int32_t *tables, void *out,
                         int64_t out_stride, int count, int heads, int kv_heads, int num_blocks,
                         int block_size, int dim, int amx, float scale) {
-    return -3;
+    return -3; /* not built for this CPU: the caller takes torch's SDPA */
 }
 #endif
