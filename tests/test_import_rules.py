@@ -30,6 +30,7 @@ TORCH_ALLOWED = (
     "bench.few_rows_stream",
     "bench.kernel_run",
     "bench.decode_sides",
+    "bench.decode_attention",
 )
 
 

@@ -1,0 +1,115 @@
+"""Decode attention from memory, as a decode step reads it: `cpu_attention.paged_decode` over
+each of the default model's layers in turn (each layer its own pools, as the runner keeps
+them), with a layer's worth of other memory (9 MB, about a layer's weights) read between the
+calls, so that the keys and values come from memory, not from a cache the last call filled.
+Each sequence's blocks lie in a run of their own. The figure is the keys' and values' bytes
+over the attention's time a step, against the plain read of the roofline's probe between
+the steps (docs/benchmarks.md, session 36: 9-16 GB/s at one sequence where the memory gave
+30-60).
+
+    python -m bench.decode_attention --json bench/results/decode-attention-cpu.json
+    python -m bench.decode_attention --rows 32 --context 256 --steps 20 --json ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench import kernel_run, report, roofline
+from worker.runner import cpu_kernels, host_memory
+
+HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30  # the default model's
+BETWEEN_BYTES = 9 * 2**20  # read between two layers' calls: about a layer's weights
+
+
+def _pools(layers: int, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    shape = (KV_HEADS, num_blocks, BLOCK, DIM)
+    keys = [host_memory.zeros(shape, torch.bfloat16).normal_(0, 1) for _ in range(layers)]
+    values = [host_memory.zeros(shape, torch.bfloat16).normal_(0, 1) for _ in range(layers)]
+    return keys, values
+
+
+def measure_case(rows: int, context: int, steps: int, layers: int = LAYERS) -> dict:
+    """One (rows, context): the attention's milliseconds a step (the median of `steps`), and
+    its keys' and values' rate against the plain read around the steps."""
+    blocks = (context + BLOCK - 1) // BLOCK
+    keys, values = _pools(layers, rows * blocks)
+    tables = torch.arange(rows * blocks, dtype=torch.int32).view(rows, blocks).contiguous()
+    lengths = torch.full((rows,), context, dtype=torch.int32)
+    q = torch.randn(rows, HEADS, DIM).to(torch.bfloat16)
+    between = host_memory.zeros((layers, BETWEEN_BYTES // 4), torch.float32).fill_(1.0)
+    out = torch.empty_like(q)
+    # the kernel's own entry, its arguments made once: a decode step calls it from C
+    # (`decode_layers.c`), where `cpu_attention.paged_decode`'s checks and tensors cost
+    # ~20 us a call (as much as the attention itself at one sequence)
+    library = cpu_kernels.load()
+    if library is None:
+        raise RuntimeError("the CPU attention kernel needs a C compiler")
+    calls = [
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
+         out.data_ptr(), rows, HEADS, KV_HEADS, rows * blocks, BLOCK, DIM, blocks, 1, DIM**-0.5)
+        for k, v in zip(keys, values, strict=True)
+    ]  # fmt: skip
+    probe = roofline.BandwidthProbe()
+    plain = [probe.bytes / probe.read()]
+
+    def step() -> float:
+        elapsed = 0.0
+        for layer in range(layers):
+            between[layer].sum()
+            started = time.perf_counter()
+            status = library.paged_decode(*calls[layer])
+            elapsed += time.perf_counter() - started
+            if status != 0:
+                raise RuntimeError(f"paged_decode failed ({status})")
+        return elapsed
+
+    step()  # warm-up: the first calls' allocations
+    times = [step() for _ in range(steps)]
+    plain.append(probe.bytes / probe.read())
+    kv_bytes = rows * layers * context * KV_HEADS * DIM * 2 * 2  # keys and values, bf16
+    median_s = statistics.median(times)
+    return {
+        "rows": rows,
+        "context": context,
+        "layers": layers,
+        "steps": steps,
+        "kv_bytes": kv_bytes,
+        "attention_ms": [t * 1e3 for t in times],
+        "median_attention_ms": median_s * 1e3,
+        "kv_gb_per_s": kv_bytes / median_s / 1e9,
+        "plain_read_gb_per_s": plain,  # before and after the steps
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, action="append", help="sequences (repeatable)")
+    parser.add_argument("--context", type=int, action="append", help="tokens (repeatable)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if cpu_kernels.load() is None:
+        raise SystemExit("the CPU attention kernel needs a C compiler")
+    torch.set_grad_enabled(False)
+    cases = []
+    for rows in args.rows or [1, 8, 32]:
+        for context in args.context or [256, 1000]:
+            case = measure_case(rows, context, args.steps)
+            cases.append(case)
+            low, high = sorted(case["plain_read_gb_per_s"])
+            print(
+                f"{rows:3d} sequences x {context:5d} tokens: {case['median_attention_ms']:7.2f} ms"
+                f" a step, KV {case['kv_bytes'] / 1e6:6.1f} MB at {case['kv_gb_per_s']:5.1f} GB/s"
+                f" (plain read {low / 1e9:.1f}-{high / 1e9:.1f})"
+            )
+    if args.json:
+        report.write_json(args.json, {**kernel_run.header(), "cases": cases})
+
+
+if __name__ == "__main__":
+    main()

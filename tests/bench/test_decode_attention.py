@@ -1,0 +1,48 @@
+"""`python -m bench.decode_attention`: decode attention from memory, layer after layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import decode_attention
+from worker.runner import cpu_attention, cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="the CPU attention kernel needs a C compiler"
+)
+
+
+def test_each_step_times_every_layers_call_and_counts_its_keys_and_values():
+    case = decode_attention.measure_case(rows=3, context=40, steps=2, layers=2)
+    assert case["layers"] == 2 and len(case["attention_ms"]) == 2
+    assert min(case["attention_ms"]) > 0
+    # 3 sequences x 2 layers x 40 keys x 3 KV heads x 64 dims, keys and values, bf16
+    assert case["kv_bytes"] == 3 * 2 * 40 * 3 * 64 * 2 * 2
+    assert case["kv_gb_per_s"] == pytest.approx(
+        case["kv_bytes"] / (case["median_attention_ms"] / 1e3) / 1e9
+    )
+    assert len(case["plain_read_gb_per_s"]) == 2 and min(case["plain_read_gb_per_s"]) > 0
+
+
+def test_a_failing_call_is_not_timed_as_a_fast_one(monkeypatch):
+    """The kernel's status is checked: a call it refuses (-2: shapes it does not take) fails
+    the case instead of timing nothing."""
+    monkeypatch.setattr(decode_attention, "HEADS", 8)  # not a multiple of the 3 KV heads
+    with pytest.raises(RuntimeError, match="paged_decode failed"):
+        decode_attention.measure_case(rows=1, context=16, steps=1, layers=1)
+
+
+def test_the_pools_hold_each_sequence_in_blocks_of_its_own():
+    """The attention the bench times is the kernel's on these pools: each sequence attends to
+    its own blocks (its output differs from another sequence's with the same query)."""
+    keys, values = decode_attention._pools(1, 2 * 3)
+    tables = torch.arange(6, dtype=torch.int32).view(2, 3).contiguous()
+    lengths = torch.full((2,), 40, dtype=torch.int32)
+    q = (
+        torch.randn(1, decode_attention.HEADS, decode_attention.DIM)
+        .to(torch.bfloat16)
+        .expand(2, -1, -1)
+    )
+    out = cpu_attention.paged_decode(q, keys[0], values[0], tables, lengths, 0.125)
+    assert not torch.equal(out[0], out[1])
