@@ -4,7 +4,7 @@ them), with a layer's worth of other memory (9 MB, about a layer's weights) read
 calls, so that the keys and values come from memory, not from a cache the last call filled.
 Each sequence's blocks lie in a run of their own. The figure is the keys' and values' bytes
 over the attention's time a step, against the plain read of the roofline's probe between
-the steps (docs/benchmarks.md, session 36: 9-16 GB/s at one sequence where the memory gave
+the steps (docs/benchmarks.md, session 36: 8-17 GB/s at one sequence where the memory gave
 30-60).
 
     python -m bench.decode_attention --json bench/results/decode-attention-cpu.json
@@ -55,7 +55,7 @@ def measure_case(rows: int, context: int, steps: int, layers: int = LAYERS) -> d
         for k, v in zip(keys, values, strict=True)
     ]  # fmt: skip
     probe = roofline.BandwidthProbe()
-    plain = [probe.bytes / probe.read()]
+    plain = [probe.bytes / probe.read() / 1e9]
 
     def step() -> float:
         elapsed = 0.0
@@ -70,7 +70,7 @@ def measure_case(rows: int, context: int, steps: int, layers: int = LAYERS) -> d
 
     step()  # warm-up: the first calls' allocations
     times = [step() for _ in range(steps)]
-    plain.append(probe.bytes / probe.read())
+    plain.append(probe.bytes / probe.read() / 1e9)
     kv_bytes = rows * layers * context * KV_HEADS * DIM * 2 * 2  # keys and values, bf16
     median_s = statistics.median(times)
     return {
@@ -105,7 +105,7 @@ def main() -> None:
             print(
                 f"{rows:3d} sequences x {context:5d} tokens: {case['median_attention_ms']:7.2f} ms"
                 f" a step, KV {case['kv_bytes'] / 1e6:6.1f} MB at {case['kv_gb_per_s']:5.1f} GB/s"
-                f" (plain read {low / 1e9:.1f}-{high / 1e9:.1f})"
+                f" (plain read {low:.1f}-{high:.1f})"
             )
     if args.json:
         report.write_json(args.json, {**kernel_run.header(), "cases": cases})

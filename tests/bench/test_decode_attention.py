@@ -22,7 +22,9 @@ def test_each_step_times_every_layers_call_and_counts_its_keys_and_values():
     assert case["kv_gb_per_s"] == pytest.approx(
         case["kv_bytes"] / (case["median_attention_ms"] / 1e3) / 1e9
     )
-    assert len(case["plain_read_gb_per_s"]) == 2 and min(case["plain_read_gb_per_s"]) > 0
+    # GB/s, as named: a plain read of this machine is between 1 and 10,000 of them
+    assert len(case["plain_read_gb_per_s"]) == 2
+    assert all(1 < rate < 10_000 for rate in case["plain_read_gb_per_s"])
 
 
 def test_a_failing_call_is_not_timed_as_a_fast_one(monkeypatch):
