@@ -35,16 +35,17 @@ def test_a_failing_call_is_not_timed_as_a_fast_one(monkeypatch):
         decode_attention.measure_case(rows=1, context=16, steps=1, layers=1)
 
 
-def test_the_pools_hold_each_sequence_in_blocks_of_its_own():
-    """The attention the bench times is the kernel's on these pools: each sequence attends to
-    its own blocks (its output differs from another sequence's with the same query)."""
-    keys, values = decode_attention._pools(1, 2 * 3)
-    tables = torch.arange(6, dtype=torch.int32).view(2, 3).contiguous()
-    lengths = torch.full((2,), 40, dtype=torch.int32)
-    q = (
-        torch.randn(1, decode_attention.HEADS, decode_attention.DIM)
-        .to(torch.bfloat16)
-        .expand(2, -1, -1)
+def test_each_sequence_attends_to_blocks_of_its_own_holding_its_own_keys():
+    """The bench's tables give no block to two sequences, and its pools hold distinct data:
+    two sequences with the same query get different outputs from the kernel."""
+    tables = decode_attention._tables(rows=4, blocks=3)
+    owned = [set(row.tolist()) for row in tables]
+    assert all(len(blocks) == 3 for blocks in owned)
+    assert len(set().union(*owned)) == 4 * 3  # none shared
+    keys, values = decode_attention._pools(1, 4 * 3)
+    lengths = torch.full((4,), 40, dtype=torch.int32)
+    q = torch.randn(1, decode_attention.HEADS, decode_attention.DIM).to(torch.bfloat16)
+    out = cpu_attention.paged_decode(
+        q.expand(4, -1, -1), keys[0], values[0], tables, lengths, 0.125
     )
-    out = cpu_attention.paged_decode(q, keys[0], values[0], tables, lengths, 0.125)
-    assert not torch.equal(out[0], out[1])
+    assert all(not torch.equal(out[0], out[r]) for r in range(1, 4))
