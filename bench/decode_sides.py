@@ -25,7 +25,6 @@ growth, a round apart at most.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 
@@ -36,7 +35,7 @@ from shared import heap, model_source
 from shared.protocol import QueuedRequest, SamplingParams
 from worker.config import EngineConfig
 from worker.model_engine import build_engine
-from worker.runner import cpu_kernels, loader
+from worker.runner import loader
 from worker.sequence import Sequence
 
 
@@ -61,15 +60,6 @@ def _engine(source: str, context: int, max_tokens: int):
     return engine, seq
 
 
-def with_signatures(path: str) -> ctypes.CDLL:
-    other = ctypes.CDLL(path)  # its own symbols (ctypes loads with RTLD_LOCAL)
-    for name, (argtypes, restype) in cpu_kernels._SIGNATURES.items():
-        if hasattr(other, name):
-            function = getattr(other, name)
-            function.argtypes, function.restype = argtypes, restype
-    return other
-
-
 def measure(
     context: int,
     rounds: int,
@@ -86,7 +76,7 @@ def measure(
     decode_layers = forward.decode_layers
     libraries = {"lists": decode_layers._library, "tensors": decode_layers._library}
     if baseline:
-        libraries["baseline"] = with_signatures(baseline)
+        libraries["baseline"] = kernel_run.with_signatures(baseline)
     decode_at = runner._decode_at
 
     def use(name: str) -> None:

@@ -71,10 +71,7 @@ def measure(rounds: int, baseline: str | None) -> dict:
         raise RuntimeError("the few-row kernel needs a C compiler and a CPU with AVX512-BF16")
     sides = {"kernel": library}
     if baseline:
-        other = ctypes.CDLL(baseline)  # its own symbols (ctypes loads with RTLD_LOCAL)
-        other.matmul_few_rows.argtypes = library.matmul_few_rows.argtypes
-        other.matmul_few_rows.restype = ctypes.c_int
-        sides["baseline"] = other
+        sides["baseline"] = kernel_run.with_signatures(baseline)
     arena, matrices = _weights()
     num_bytes = arena.numel() * arena.element_size()
     x = (torch.randn(1, INTER) * 0.5).to(torch.bfloat16)

@@ -1,13 +1,15 @@
-"""What every kernel benchmark's result file says of its run: when, the CPU's bf16 and AMX
-features (the kernels are built for the CPU they run on) and torch's thread count
-(`bench/matmul_share.py`, `bench/few_rows_stream.py`)."""
+"""What the kernel benchmarks share: what every result file says of its run (when, the CPU's
+bf16 and AMX features, the kernels being built for the CPU they run on, and torch's thread
+count), and another build of the kernels loaded beside this one's (`--baseline`)."""
 
 from __future__ import annotations
 
+import ctypes
 from datetime import UTC, datetime
 
 import torch
 
+from worker.runner import cpu_kernels
 from worker.runner.loader import cpu_flags
 
 
@@ -17,3 +19,14 @@ def header() -> dict:
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
         "threads": torch.get_num_threads(),
     }
+
+
+def with_signatures(path: str) -> ctypes.CDLL:
+    """Another build of the kernels (a .so, e.g. an earlier commit's), with this build's
+    signatures on the functions it has."""
+    other = ctypes.CDLL(path)  # its own symbols (ctypes loads with RTLD_LOCAL)
+    for name, (argtypes, restype) in cpu_kernels._SIGNATURES.items():
+        if hasattr(other, name):
+            function = getattr(other, name)
+            function.argtypes, function.restype = argtypes, restype
+    return other

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench import decode_sides, kernel_run, report
+from bench import kernel_run, report
 from bench.step_times import BLOCK_SIZE, StepShape, make_batch
 from shared import model_source
 from worker.runner import llama, loader
@@ -141,7 +141,7 @@ def measure_steps(rounds: int, source: str, baseline: str | None = None) -> list
     sides = ("blocks", "rows", *(["baseline"] if baseline else []))
     matmuls = {"blocks": library, "rows": library}
     if baseline:
-        matmuls["baseline"] = decode_sides.with_signatures(baseline)
+        matmuls["baseline"] = kernel_run.with_signatures(baseline)
 
     def use(side: str) -> None:
         llama.load = lambda: matmuls[side]  # type: ignore[assignment]  # `_Linear`'s name

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import statistics
+
 import pytest
 import torch
 
-from bench import decode_attention
+from bench import decode_attention, kernel_run
 from worker.runner import cpu_attention, cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -49,3 +52,30 @@ def test_each_sequence_attends_to_blocks_of_its_own_holding_its_own_keys():
         q.expand(4, -1, -1), keys[0], values[0], tables, lengths, 0.125
     )
     assert all(not torch.equal(out[0], out[r]) for r in range(1, 4))
+
+
+def test_scattered_tables_give_each_sequence_blocks_of_its_own_out_of_order():
+    """`--scattered`: every block of the pool is some sequence's, none two sequences', and a
+    sequence's blocks are not one run (as a server's are once sequences have come and gone)."""
+    tables = decode_attention._tables(rows=8, blocks=16, scattered=True)
+    flat = tables.flatten().tolist()
+    assert sorted(flat) == list(range(8 * 16))
+    runs = [row.tolist() == list(range(row[0], row[0] + 16)) for row in tables]
+    assert not any(runs)
+    assert torch.equal(tables, decode_attention._tables(rows=8, blocks=16, scattered=True))
+
+
+def test_a_baseline_build_takes_every_step_beside_this_one(tmp_path):
+    """`--baseline`: both builds time every step (in turns), and the speedup is the median of
+    the baseline's step time over this build's, step by step."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    baseline = kernel_run.with_signatures(str(cpu_kernels._build(compiler)))
+    case = decode_attention.measure_case(rows=2, context=40, steps=3, layers=2, baseline=baseline)
+    assert len(case["attention_ms"]) == len(case["baseline"]["attention_ms"]) == 3
+    ratios = [
+        b / a for a, b in zip(case["attention_ms"], case["baseline"]["attention_ms"], strict=True)
+    ]
+    assert case["speedup_median"] == pytest.approx(statistics.median(ratios))
+    assert case["baseline"]["kv_gb_per_s"] == pytest.approx(
+        case["kv_bytes"] / (case["baseline"]["median_attention_ms"] / 1e3) / 1e9
+    )

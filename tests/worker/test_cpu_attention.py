@@ -71,6 +71,25 @@ def test_the_kernel_attends_as_the_torch_path_does(dtype, heads, kv_heads, head_
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_of_very_different_lengths_each_attend_as_the_torch_path_does(dtype):
+    """A batch the threads share out by keys (`units_of`): runs of whole items that end
+    where the keys balance, not the item count, each asking for its next items ahead. One
+    long row among many short ones puts the boundary mid-batch; every row's output must be
+    its own, none left unwritten."""
+    lengths = [700, *[1 + 13 * i % 90 for i in range(30)], 333, 2]
+    q, k_pool, v_pool, group = _case(
+        dtype, heads=9, kv_heads=3, head_dim=64, block_size=16, lengths=lengths, num_blocks=256,
+    )  # fmt: skip
+    expected = paged_attention._decode(q, k_pool[0], v_pool[0], group, None)
+    got = cpu_attention.paged_decode(
+        q.transpose(0, 1), k_pool[0], v_pool[0], group.tables, group.lengths, 64**-0.5
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-5
+    assert (got.float() - expected.float()).abs().max().item() <= tolerance
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (4, 1, 128, 16), (6, 2, 64, 5), (16, 1, 64, 16), (2, 1, 32, 8)],

@@ -12,6 +12,7 @@
 #define PARTIAL(dim) ((dim) + 2) /* a query's partial result: largest score, sum, dim sums */
 #define MIN_PART_KEYS 64         /* a part of the keys: at least this many */
 #define MAX_PARTS 64
+#define NEXT_AHEAD 2 /* `prefetch_next`: the item this many on in a thread's run */
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -207,10 +208,13 @@ static inline __m512 dot_row(const uint16_t *k, const __m512bh *q, const int W) 
     return dot;
 }
 
+/* Position `pos`'s row in a pool: for the default block size of 16, by a shift and a mask,
+ * not a division by a size known only at run time (the values' pass takes one a pair). */
 static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const int32_t *table,
                                       int64_t head_at, int pos, int dim) {
     const int bs = s->block_size;
-    return pool + ((head_at + table[pos / bs]) * bs + pos % bs) * dim;
+    const int block = bs == 16 ? pos >> 4 : pos / bs, offset = bs == 16 ? pos & 15 : pos % bs;
+    return pool + ((head_at + table[block]) * bs + offset) * dim;
 }
 
 /* A pool's blocks lie anywhere in it, and the hardware's prefetcher, which follows a stream
@@ -225,10 +229,30 @@ static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const
  * until the line comes. On an AMD EPYC host (a C probe, session 27) the step's attention from
  * memory took 0.71-0.91 of the time where blocks lie anywhere and 0.86-1.03 where they lie in
  * a row (into L2 for all: 1.10-1.16 in a row); the next item's keys and values asked for while
- * this one computes from its cache were slower. A macro: the hint must be a constant where
- * `_mm_prefetch` sees it. */
+ * this one computes from its cache were slower. Where each thread takes a contiguous run of
+ * whole items (`units_of`, session 37), the item NEXT_AHEAD on in the run is asked for as
+ * well, into L2, a share at each of the current item's runs of 16 keys (`prefetch_next`):
+ * 1.07-1.36x the attention from memory at 8-64 sequences of 256-1,000 tokens, blocks in runs
+ * or anywhere, on an AMD EPYC host (`python -m bench.decode_attention --baseline`); asked for
+ * faster (in the first half of the item), one item on, or the values in the values' pass
+ * instead, it gained less. A macro: the hint must be a constant where `_mm_prefetch` sees it. */
 #define prefetch_16_rows(rows, dim, hint)                                                      \
     for (int at = 0; at < 16 * (dim) * 2; at += 64) _mm_prefetch((const char *)(rows) + at, hint)
+
+/* Item `next`'s keys and values (a later item of this thread's run, `attend`), its whole
+ * runs of 16 rows spread evenly over the current item's `chunks` runs of 16 keys: those for
+ * the current item's chunk `c`, into L2. Inlined where it is called: as a call, with `dim` not
+ * a constant and the caller's vectors saved around it, the attention was 20% slower. */
+static inline __attribute__((always_inline)) void prefetch_next(const Step *s, int next, int c, int chunks, int dim) {
+    const int row = next / s->kv_heads, kvh = next % s->kv_heads;
+    const int runs = s->lengths[row] / 16;
+    const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
+    const int64_t head_at = (int64_t)kvh * s->num_blocks;
+    for (int j = c * runs / chunks; j < (c + 1) * runs / chunks; j++) {
+        prefetch_16_rows(pool_at(s, s->k_pool, table, head_at, j * 16, dim), dim, _MM_HINT_T1);
+        prefetch_16_rows(pool_at(s, s->v_pool, table, head_at, j * 16, dim), dim, _MM_HINT_T1);
+    }
+}
 
 /* The weighted values of the group's queries gb .. gb + NQ - 1 (their softmax weights in
  * `weights`, rounded to bf16), two keys at a time: the two value rows interleaved into (key 0,
@@ -289,7 +313,7 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
                                                                  int g0, int g1, int lo, int hi,
                                                                  float *scores, uint16_t *weights,
                                                                  int max_len, float *partial,
-                                                                 const int DIMV) {
+                                                                 int next, const int DIMV) {
     enum { QB_MAX = 4 };
     const int W = DIMV / 2, QB = DIMV <= 4 ? 4 : DIMV <= 8 ? 2 : 1; /* 32-dim vectors */
     const int group = s->heads / s->kv_heads, dim = DIMV * 16, bs = s->block_size;
@@ -300,27 +324,31 @@ static inline __attribute__((always_inline)) void attend_item_dot(const Step *s,
     const uint16_t *k_pool = s->k_pool, *v_pool = s->v_pool;
     const int64_t head_at = (int64_t)kvh * s->num_blocks;
     const f16v scale = (f16v){0} + s->scale;
-    for (int g = g0; g < g1; g++) { /* scores, 16 keys at once */
-        __m512bh qg[MAX_DIMV / 2];
-        for (int c = 0; c < W; c++) qg[c] = (__m512bh)_mm512_loadu_si512(q + g * dim + c * 32);
-        for (int p0 = lo; p0 < hi; p0 += 16) {
+    __m512bh qs[MAX_GROUP][MAX_DIMV / 2];
+    for (int g = g0; g < g1; g++)
+        for (int c = 0; c < W; c++) qs[g][c] = (__m512bh)_mm512_loadu_si512(q + g * dim + c * 32);
+    for (int p0 = lo; p0 < hi; p0 += 16) { /* scores, 16 keys at once, every query on them
+        while they are in L1 */
+        const int in_block = p0 < whole && bs % 16 == 0; /* 16 rows of one block */
+        const uint16_t *k = in_block ? pool_at(s, k_pool, table, head_at, p0, dim) : NULL;
+        if (in_block && p0 + 32 < hi) { /* ahead of the reads from memory */
+            const uint16_t *ahead = pool_at(s, k_pool, table, head_at, p0 + 32, dim);
+            if (ahead == pool_at(s, k_pool, table, head_at, p0 + 16, dim) + 16 * dim)
+                prefetch_16_rows(ahead, dim, _MM_HINT_T0); /* a run the hardware follows */
+            else
+                prefetch_16_rows(ahead, dim, _MM_HINT_T1);
+            prefetch_16_rows(pool_at(s, v_pool, table, head_at, p0 + 16, dim), dim, _MM_HINT_T1);
+        }
+        if (next >= 0 && bs % 16 == 0)
+            prefetch_next(s, next, (p0 - lo) / 16, (hi - lo + 15) / 16, dim);
+        for (int g = g0; g < g1; g++) {
             f16v dots[16];
-            if (p0 < whole && bs % 16 == 0) { /* 16 rows of one block */
-                const uint16_t *k = pool_at(s, k_pool, table, head_at, p0, dim);
-                if (g == g0 && p0 + 32 < hi) { /* the pass that reads from memory */
-                    const uint16_t *ahead = pool_at(s, k_pool, table, head_at, p0 + 32, dim);
-                    if (ahead == pool_at(s, k_pool, table, head_at, p0 + 16, dim) + 16 * dim)
-                        prefetch_16_rows(ahead, dim, _MM_HINT_T0); /* a run the hardware follows */
-                    else
-                        prefetch_16_rows(ahead, dim, _MM_HINT_T1);
-                    prefetch_16_rows(pool_at(s, v_pool, table, head_at, p0 + 16, dim), dim, _MM_HINT_T1);
-                }
-                for (int j = 0; j < 16; j++) dots[j] = (f16v)dot_row(k + j * dim, qg, W);
+            if (in_block) {
+                for (int j = 0; j < 16; j++) dots[j] = (f16v)dot_row(k + j * dim, qs[g], W);
             } else {
                 for (int j = 0; j < 16; j++)
-                    dots[j] = p0 + j < hi
-                                  ? (f16v)dot_row(pool_at(s, k_pool, table, head_at, p0 + j, dim), qg, W)
-                                  : (f16v){0};
+                    dots[j] = p0 + j < hi ? (f16v)dot_row(pool_at(s, k_pool, table, head_at, p0 + j, dim), qs[g], W)
+                                          : (f16v){0};
             }
             const f16v sums = hsum16(dots) * scale;
             memcpy(scores + g * max_len + (p0 - lo), &sums, sizeof sums);
@@ -393,6 +421,32 @@ static void merge_parts(const Step *s, const float *partials, int row, int h, in
     }
 }
 
+/* Unit `unit`'s share of the work: its keys, and a little for what every unit costs. */
+static inline int64_t unit_cost(const Step *s, int unit, int parts, int split) {
+    const int len = s->lengths[unit / parts / s->kv_heads];
+    return (split > 1 ? len / parts : len) + 16;
+}
+
+/* Thread `me`'s run of units, [*first, *last): contiguous, so that the thread knows which
+ * items come next to it (`prefetch_next`), and balanced by the units' keys, not their count,
+ * since sequences' lengths differ. */
+static void units_of(const Step *s, int items, int parts, int split, int me, int threads,
+                     int *first, int *last) {
+    int64_t total = 0, at = 0;
+    for (int u = 0; u < items; u++) total += unit_cost(s, u, parts, split);
+    const int64_t from = total * me / threads, to = total * (me + 1) / threads;
+    *first = *last = items;
+    for (int u = 0; u < items; u++) {
+        if (*first == items && at >= from) *first = u;
+        if (at >= to) {
+            *last = u;
+            break;
+        }
+        at += unit_cost(s, u, parts, split);
+    }
+    if (*first > *last) *first = *last;
+}
+
 static int attend(const Step *s) {
     const int group = s->heads / s->kv_heads, bs = s->block_size;
     /* each query's scores, padded to whole vectors of 16 keys */
@@ -420,9 +474,17 @@ static int attend(const Step *s) {
 #pragma omp atomic write
             status = -1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int unit = 0; unit < items; unit++) {
+#ifdef _OPENMP
+        const int me = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+        const int me = 0, threads = 1;
+#endif
+        int first, last;
+        units_of(s, items, parts, split, me, threads, &first, &last);
+        for (int unit = first; unit < last; unit++) {
             if (scores == NULL || (dot && weights == NULL)) continue;
+            /* whole items: the one NEXT_AHEAD on in the thread's run is asked for meanwhile */
+            const int next = parts == 1 && unit + NEXT_AHEAD < last ? unit + NEXT_AHEAD : -1;
             const int item = unit / parts, part = unit % parts;
             const int len = s->lengths[item / s->kv_heads];
             /* split: every query of the KV head over keys lo .. hi - 1, kept apart in
@@ -441,9 +503,9 @@ static int attend(const Step *s) {
             }
             /* the common head dimensions get their own copy, the vector count a constant */
 #if DOT_DECODE
-            if (dot && vectors == 4) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, 4);
-            else if (dot && vectors == 8) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, 8);
-            else if (dot) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, vectors);
+            if (dot && vectors == 4) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, next, 4);
+            else if (dot && vectors == 8) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, next, 8);
+            else if (dot) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, next, vectors);
             else
 #endif
             if (vectors == 4 && bf16) attend_item(s, item, g0, g1, scores, max_len, 4, 1);
@@ -454,7 +516,8 @@ static int attend(const Step *s) {
             else attend_item(s, item, g0, g1, scores, max_len, vectors, 0);
         }
         free(scores), free(weights);
-        int failed; /* after the loop's barrier: every thread's allocation is known */
+#pragma omp barrier
+        int failed; /* after the barrier: every thread's allocation is known */
 #pragma omp atomic read
         failed = status;
         if (split > 1 && !failed) {
