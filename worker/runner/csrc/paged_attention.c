@@ -232,8 +232,8 @@ static inline const uint16_t *pool_at(const Step *s, const uint16_t *pool, const
  * this one computes from its cache were slower. Where each thread takes a contiguous run of
  * whole items (`units_of`, session 37), the item NEXT_AHEAD on in the run is asked for as
  * well, into L2, a share at each of the current item's runs of 16 keys (`prefetch_next`):
- * 1.07-1.36x the attention from memory at 8-64 sequences of 256-1,000 tokens, blocks in runs
- * or anywhere, on an AMD EPYC host (`python -m bench.decode_attention --baseline`); asked for
+ * 1.04-1.43x the attention from memory at 1-64 sequences of 256-1,000 tokens, blocks in runs
+ * or anywhere, on an AMD EPYC host (docs/benchmarks.md, session 37); asked for
  * faster (in the first half of the item), one item on, or the values in the values' pass
  * instead, it gained less. A macro: the hint must be a constant where `_mm_prefetch` sees it. */
 #define prefetch_16_rows(rows, dim, hint)                                                      \

@@ -24,8 +24,9 @@
  * the first (the thread's first panel: each line asked for ahead on its first pass). Asked
  * for on the first pass only (sessions 29-36), a panel's lines came at six times the pace the
  * arithmetic needs and the memory idled through the other passes: from memory, 32 rows of the
- * default model's matmuls made 280-300 GFLOP/s against 410-430 with the weights in cache on
- * an AMD EPYC host, and 350-390 with the next panel spread (a C probe, session 37).
+ * default model's matmuls made 276-320 GFLOP/s against 350-430 with the weights in cache on
+ * an AMD EPYC host, and 342-385 with the next panel spread (a C probe, session 37; a step of
+ * 32 decodes 1.17x faster, docs/benchmarks.md).
  * x's rows are read as pairs from L1/L2. n and k are multiples of 32 (the caller checks). */
 #include <stdint.h>
 #include <string.h>
