@@ -109,17 +109,27 @@ def test_few_long_rows_split_their_keys_and_attend_as_the_torch_path_does(
     """One or two sequences have too few (sequence, KV head) pairs to keep the threads busy:
     the bf16 kernel splits their keys in parts and merges the parts' softmaxes. The queries
     scaled up, so that a few keys take most of the weight and a merge that weighed the parts
-    wrongly would show."""
+    wrongly would show.
+
+    Measured against the exact result (fp64 from the same bf16 inputs), not the torch path:
+    with a softmax this sharp the torch path's scores, rounded to bf16, put it up to 2^-5
+    from the exact result itself (at one thread, where the keys are not split, the kernel
+    and the torch path were 0.033 apart while the kernel was within 0.009 of the exact
+    result). The kernel keeps its scores in fp32: it must be nearer the exact result than
+    the torch path, and within 2^-6 of it, however many threads split the keys."""
     q, k_pool, v_pool, group = _case(
         torch.bfloat16, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         block_size=block_size, lengths=lengths, num_blocks=512,
     )  # fmt: skip
     q = (q.float() * 3).to(torch.bfloat16)
-    expected = paged_attention._decode(q, k_pool[0], v_pool[0], group, None)
+    exact = paged_attention._decode(q.double(), k_pool[0].double(), v_pool[0].double(), group, None)
+    torch_path = paged_attention._decode(q, k_pool[0], v_pool[0], group, None)
     got = cpu_attention.paged_decode(
         q.transpose(0, 1), k_pool[0], v_pool[0], group.tables, group.lengths, head_dim**-0.5
     )
-    assert (got.float() - expected.float()).abs().max().item() <= 2**-5
+    kernel_error = (got.double() - exact).abs().max().item()
+    torch_error = (torch_path.double() - exact).abs().max().item()
+    assert kernel_error <= min(torch_error, 2**-6)
 
 
 @needs_kernel
