@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import statistics
 
 import pytest
@@ -65,11 +64,10 @@ def test_scattered_tables_give_each_sequence_blocks_of_its_own_out_of_order():
     assert torch.equal(tables, decode_attention._tables(rows=8, blocks=16, scattered=True))
 
 
-def test_a_baseline_build_takes_every_step_beside_this_one(tmp_path):
+def test_a_baseline_build_takes_every_step_beside_this_one():
     """`--baseline`: both builds time every step (in turns), and the speedup is the median of
     the baseline's step time over this build's, step by step."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    baseline = kernel_run.with_signatures(str(cpu_kernels._build(compiler)))
+    baseline = kernel_run.with_signatures(cpu_kernels.load()._name)  # this build, as a .so path
     case = decode_attention.measure_case(rows=2, context=40, steps=3, layers=2, baseline=baseline)
     assert len(case["attention_ms"]) == len(case["baseline"]["attention_ms"]) == 3
     ratios = [
