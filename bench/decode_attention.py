@@ -34,10 +34,12 @@ HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30  # the default model's
 BETWEEN_BYTES = 9 * 2**20  # read between two layers' calls: about a layer's weights
 
 
-def _pools(layers: int, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _pools(
+    layers: int, num_blocks: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     shape = (KV_HEADS, num_blocks, BLOCK, DIM)
-    keys = [host_memory.zeros(shape, torch.bfloat16).normal_(0, 1) for _ in range(layers)]
-    values = [host_memory.zeros(shape, torch.bfloat16).normal_(0, 1) for _ in range(layers)]
+    keys = [host_memory.zeros(shape, dtype).normal_(0, 1) for _ in range(layers)]
+    values = [host_memory.zeros(shape, dtype).normal_(0, 1) for _ in range(layers)]
     return keys, values
 
 
@@ -57,15 +59,16 @@ def measure_case(
     layers: int = LAYERS,
     scattered: bool = False,
     baseline: ctypes.CDLL | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     """One (rows, context): the attention's milliseconds a step (the median of `steps`), and
     its keys' and values' rate against the plain read around the steps; with `baseline`, the
     same for that build, its steps taken in turns with this one's."""
     blocks = (context + BLOCK - 1) // BLOCK
-    keys, values = _pools(layers, rows * blocks)
+    keys, values = _pools(layers, rows * blocks, dtype)
     tables = _tables(rows, blocks, scattered)
     lengths = torch.full((rows,), context, dtype=torch.int32)
-    q = torch.randn(rows, HEADS, DIM).to(torch.bfloat16)
+    q = torch.randn(rows, HEADS, DIM).to(dtype)
     between = host_memory.zeros((layers, BETWEEN_BYTES // 4), torch.float32).fill_(1.0)
     out = torch.empty_like(q)
     # the kernel's own entry, its arguments made once: a decode step calls it from C
@@ -77,7 +80,8 @@ def measure_case(
     libraries = {"this": library, **({"baseline": baseline} if baseline else {})}
     calls = [
         (q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
-         out.data_ptr(), rows, HEADS, KV_HEADS, rows * blocks, BLOCK, DIM, blocks, 1, DIM**-0.5)
+         out.data_ptr(), rows, HEADS, KV_HEADS, rows * blocks, BLOCK, DIM, blocks,
+         int(dtype == torch.bfloat16), DIM**-0.5)
         for k, v in zip(keys, values, strict=True)
     ]  # fmt: skip
     probe = roofline.BandwidthProbe()
@@ -102,7 +106,7 @@ def measure_case(
         for name in names[index % len(names) :] + names[: index % len(names)]:
             times[name].append(step(libraries[name]))
     plain.append(probe.bytes / probe.read() / 1e9)
-    kv_bytes = rows * layers * context * KV_HEADS * DIM * 2 * 2  # keys and values, bf16
+    kv_bytes = rows * layers * context * KV_HEADS * DIM * 2 * q.element_size()  # keys, values
 
     def figures(side: list[float]) -> dict:
         median_s = statistics.median(side)
@@ -118,6 +122,7 @@ def measure_case(
         "layers": layers,
         "steps": steps,
         "scattered": scattered,
+        "dtype": str(dtype).removeprefix("torch."),
         "kv_bytes": kv_bytes,
         **figures(times["this"]),
         "plain_read_gb_per_s": plain,  # before and after the steps
@@ -138,15 +143,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--scattered", action="store_true", help="blocks anywhere in the pool")
     parser.add_argument("--baseline", help="another build of the kernels (a .so), in turns")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the pools' and queries' (fp32: a model on a CPU without bf16 units)")  # fmt: skip
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    dtype = getattr(torch, args.dtype)
     baseline = kernel_run.with_signatures(args.baseline) if args.baseline else None
     cases = []
     for rows in args.rows or [1, 8, 32]:
         for context in args.context or [256, 1000]:
             case = measure_case(
-                rows, context, args.steps, scattered=args.scattered, baseline=baseline
+                rows, context, args.steps, scattered=args.scattered, baseline=baseline, dtype=dtype
             )
             cases.append(case)
             low, high = sorted(case["plain_read_gb_per_s"])
@@ -161,7 +169,8 @@ def main() -> None:
                 )
             print(f"{line} (plain read {low:.1f}-{high:.1f})")
     if args.json:
-        header = {**kernel_run.header(), "scattered": args.scattered, "baseline": args.baseline}
+        header = {**kernel_run.header(), "scattered": args.scattered, "baseline": args.baseline,
+                  "dtype": args.dtype}  # fmt: skip
         report.write_json(args.json, {**header, "cases": cases})
 
 

@@ -29,6 +29,22 @@ def test_each_step_times_every_layers_call_and_counts_its_keys_and_values():
     assert all(1 < rate < 10_000 for rate in case["plain_read_gb_per_s"])
 
 
+def test_fp32_pools_count_four_bytes_a_value_and_the_kernel_reads_them_as_fp32(monkeypatch):
+    calls = []
+    library = cpu_kernels.load()
+
+    class Recording:
+        def paged_decode(self, *args):
+            calls.append(args)
+            return library.paged_decode(*args)
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: Recording())
+    case = decode_attention.measure_case(rows=2, context=40, steps=1, layers=1, dtype=torch.float32)
+    assert case["dtype"] == "float32"
+    assert case["kv_bytes"] == 2 * 1 * 40 * 3 * 64 * 2 * 4
+    assert calls and all(args[13] == 0 for args in calls)  # is_bf16: no
+
+
 def test_a_failing_call_is_not_timed_as_a_fast_one(monkeypatch):
     """The kernel's status is checked: a call it refuses (-2: shapes it does not take) fails
     the case instead of timing nothing."""
