@@ -147,12 +147,77 @@ static inline __m256 hsum8x8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
+/* e^x of 8 lanes, x <= 0, as exp_nonpositive computes it (its multiply-adds fused). */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950409f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471806f));
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* A row of `len` scores turned into its softmax in place, 8 lanes at a time up to the last
+ * whole vector (`exp_scores`, whose 16-float vectors GCC keeps in memory here). */
+static inline void softmax8(float *sc, int len) {
+    const int whole = len / 8 * 8;
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int p = 0; p < whole; p += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc + p));
+    float lanes[8], top = -INFINITY, tail = 0.f;
+    _mm256_storeu_ps(lanes, top8);
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    for (int p = whole; p < len; p++) top = sc[p] > top ? sc[p] : top;
+    const __m256 top_v = _mm256_set1_ps(top);
+    __m256 sums = _mm256_setzero_ps();
+    for (int p = 0; p < whole; p += 8) {
+        const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + p), top_v));
+        _mm256_storeu_ps(sc + p, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    for (int p = whole; p < len; p++) tail += sc[p] = exp_nonpositive(sc[p] - top);
+    _mm256_storeu_ps(lanes, sums);
+    float sum = tail;
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
+    for (int p = 0; p < whole; p += 8) _mm256_storeu_ps(sc + p, _mm256_mul_ps(_mm256_loadu_ps(sc + p), inv));
+    for (int p = whole; p < len; p++) sc[p] *= 1.f / sum;
+}
+
+/* Item `next`'s keys and values (a later item of this thread's run, `attend`), into L2, their
+ * rows spread evenly over the current item's `chunks` runs of 8 keys: those for chunk `c` (as
+ * `prefetch_next` does for the AVX512-BF16 item). */
+static inline __attribute__((always_inline)) void prefetch_next8(const Step *s, int next, int c,
+                                                                 int chunks, int elem) {
+    const int row = next / s->kv_heads, kvh = next % s->kv_heads, bs = s->block_size;
+    const int len = s->lengths[row], row_bytes = s->dim * elem;
+    const int32_t *table = s->tables + (int64_t)row * s->max_blocks;
+    const int64_t head_at = (int64_t)kvh * s->num_blocks;
+    const int hi = (int)((int64_t)(c + 1) * len / chunks);
+    for (int j = (int)((int64_t)c * len / chunks); j < hi;) { /* a block's run of rows at a time */
+        const int offset = j % bs, n = bs - offset < hi - j ? bs - offset : hi - j;
+        const int64_t at = ((head_at + table[j / bs]) * bs + offset) * row_bytes;
+        for (int64_t b = 0; b < (int64_t)n * row_bytes; b += 64) {
+            _mm_prefetch((const char *)s->k_pool + at + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)s->v_pool + at + b, _MM_HINT_T1);
+        }
+        j += n;
+    }
+}
+
 /* `attend_item` below, in AVX2 registers: a query's scores 8 keys at a time (8 sums, one a
  * key, then their 8 horizontal sums at once), and its weighted values with a sum a vector of
  * the head. */
 static inline __attribute__((always_inline)) void attend_item_avx2(const Step *s, int item, int g0,
                                                                   int g1, float *scores, int max_len,
-                                                                  const int DIMV, const int BF16) {
+                                                                  int next, const int DIMV,
+                                                                  const int BF16) {
     const int V = 2 * DIMV, group = s->heads / s->kv_heads, dim = s->dim, bs = s->block_size;
     const int row = item / s->kv_heads, kvh = item % s->kv_heads;
     const int len = s->lengths[row];
@@ -165,24 +230,25 @@ static inline __attribute__((always_inline)) void attend_item_avx2(const Step *s
         for (int c = 0; c < V; c++) qg[c] = _mm256_mul_ps(load8(s->q, q_at + g * dim + 8 * c, BF16), scale);
         float *sc = scores + g * max_len;
         for (int p0 = 0; p0 < len; p0 += 8) {
-            const int n = len - p0 < 8 ? len - p0 : 8;
-            int block = p0 / bs, offset = p0 % bs; /* p0 + j's place in the table */
-            __m256 dots[8];
+            /* the 8 keys' places (past the last key, the last key's again: its lanes are
+             * past the row's length, never read), then their sums side by side, a vector of
+             * the head at a time: 8 independent chains of multiply-adds, where one key's
+             * whole chain at a time waited on each multiply-add's latency */
+            if (next >= 0 && g == g0) prefetch_next8(s, next, p0 / 8, (len + 7) / 8, BF16 ? 2 : 4);
+            int64_t at[8];
+            int block = p0 / bs, offset = p0 % bs;
             for (int j = 0; j < 8; j++) {
-                if (j >= n) {
-                    dots[j] = _mm256_setzero_ps();
-                    continue;
-                }
-                const int64_t at = ((head_at + table[block]) * bs + offset) * dim;
-                if (++offset == bs) offset = 0, block++;
-                __m256 dot = _mm256_mul_ps(qg[0], load8(s->k_pool, at, BF16));
-                for (int c = 1; c < V; c++) dot = _mm256_fmadd_ps(qg[c], load8(s->k_pool, at + 8 * c, BF16), dot);
-                dots[j] = dot;
+                at[j] = ((head_at + table[block]) * bs + offset) * dim;
+                if (p0 + j + 1 < len && ++offset == bs) offset = 0, block++;
             }
+            __m256 dots[8];
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_mul_ps(qg[0], load8(s->k_pool, at[j], BF16));
+            for (int c = 1; c < V; c++)
+                for (int j = 0; j < 8; j++)
+                    dots[j] = _mm256_fmadd_ps(qg[c], load8(s->k_pool, at[j] + 8 * c, BF16), dots[j]);
             _mm256_storeu_ps(sc + p0, hsum8x8(dots));
         }
-        const float inv = exp_scores(sc, len); /* its softmax */
-        for (int p = 0; p < len; p++) sc[p] *= inv;
+        softmax8(sc, len);
     }
     for (int g = g0; g < g1; g++) { /* the weighted values */
         const float *w = scores + g * max_len;
@@ -217,9 +283,9 @@ static inline __attribute__((always_inline)) void attend_item_avx2(const Step *s
  * runtime value (the vector loops then run on a count they test at every step). */
 static inline __attribute__((always_inline)) void attend_item(const Step *s, int item, int g0,
                                                              int g1, float *scores, int max_len,
-                                                             const int DIMV, const int BF16) {
+                                                             int next, const int DIMV, const int BF16) {
 #if AVX2_ITEM
-    attend_item_avx2(s, item, g0, g1, scores, max_len, DIMV, BF16);
+    attend_item_avx2(s, item, g0, g1, scores, max_len, next, DIMV, BF16);
     return;
 #endif
     const int group = s->heads / s->kv_heads, dim = s->dim, bs = s->block_size;
@@ -602,12 +668,12 @@ static int attend(const Step *s) {
             else if (dot) attend_item_dot(s, item, g0, g1, lo, hi, scores, weights, max_len, partial, next, vectors);
             else
 #endif
-            if (vectors == 4 && bf16) attend_item(s, item, g0, g1, scores, max_len, 4, 1);
-            else if (vectors == 4) attend_item(s, item, g0, g1, scores, max_len, 4, 0);
-            else if (vectors == 8 && bf16) attend_item(s, item, g0, g1, scores, max_len, 8, 1);
-            else if (vectors == 8) attend_item(s, item, g0, g1, scores, max_len, 8, 0);
-            else if (bf16) attend_item(s, item, g0, g1, scores, max_len, vectors, 1);
-            else attend_item(s, item, g0, g1, scores, max_len, vectors, 0);
+            if (vectors == 4 && bf16) attend_item(s, item, g0, g1, scores, max_len, next, 4, 1);
+            else if (vectors == 4) attend_item(s, item, g0, g1, scores, max_len, next, 4, 0);
+            else if (vectors == 8 && bf16) attend_item(s, item, g0, g1, scores, max_len, next, 8, 1);
+            else if (vectors == 8) attend_item(s, item, g0, g1, scores, max_len, next, 8, 0);
+            else if (bf16) attend_item(s, item, g0, g1, scores, max_len, next, vectors, 1);
+            else attend_item(s, item, g0, g1, scores, max_len, next, vectors, 0);
         }
         free(scores), free(weights);
 #pragma omp barrier
