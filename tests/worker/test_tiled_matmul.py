@@ -3,7 +3,9 @@ with AMX every row count takes `csrc/amx_matmul.c`: torch's results bit for bit 
 within a rounding step past that. On a CPU with AVX512-BF16 but no AMX, the decode layers'
 matmuls of more than 8 rows take `csrc/pair_matmul.c`: within a rounding step of torch's
 results (equal in all but a few elements in 10,000), while the linear itself keeps oneDNN's,
-which are torch's bit for bit. Torch's own matmul wherever neither can take the weight."""
+which are torch's bit for bit. On a CPU with AVX2 alone the linear takes the pair kernel
+too, past 8 rows (oneDNN emulates bf16 there). Torch's own matmul wherever neither can take
+the weight."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from worker.runner.cpu_layer_ops import LayerOps
 
 AMX = llama.amx_matmuls_available()
 PAIRS = llama.pair_matmuls_available()
+PROMPT_PAIRS = llama.pair_matmuls_for_prompts()
 pytestmark = pytest.mark.skipif(
     not AMX and not PAIRS,
-    reason="the tiled matmuls need a C compiler and a CPU with AMX or AVX512-BF16",
+    reason="the tiled matmuls need a C compiler and a CPU with AMX, AVX512-BF16 or AVX2",
 )
 
 
@@ -31,18 +34,47 @@ pytestmark = pytest.mark.skipif(
 def test_tiled_matmuls_are_torchs(rows, n, k, with_bias):
     x, weight, bias = bf16_matmul_case(rows, n, k, with_bias)
     linear = llama._Linear(weight, bias)
-    assert linear.tiled_weight is not None and (linear._packed is None) == AMX
+    assert linear.tiled_weight is not None
+    assert (linear._packed is None) == AMX or PROMPT_PAIRS  # AVX2 alone: oneDNN packs no bf16
     got = linear(x) if AMX else linear.matmul_pairs(x)
     if AMX and rows <= 32:  # the same tile products in the same order as oneDNN's
         assert torch.equal(got, F.linear(x, weight, bias))
     assert_within_rounding_of_torch(got, x, weight, bias)  # else oneDNN sums otherwise
 
 
-@pytest.mark.skipif(not PAIRS, reason="the pair kernel runs on CPUs without AMX")
+@pytest.mark.skipif(
+    not PAIRS or PROMPT_PAIRS, reason="the pair kernel runs on CPUs with AVX512-BF16, no AMX"
+)
 @pytest.mark.parametrize("rows", [9, 32, 384])
 def test_without_amx_the_linear_keeps_torchs_matmul_bit_for_bit(rows):
     x, weight, bias = bf16_matmul_case(rows, 992, 576, True)
     assert torch.equal(llama._Linear(weight, bias)(x), F.linear(x, weight, bias))
+
+
+@pytest.mark.skipif(not PROMPT_PAIRS, reason="prompts take the pair kernel on AVX2-only CPUs")
+@pytest.mark.parametrize("rows", [1, 8, 9, 32, 384])
+def test_with_avx2_alone_every_rows_matmul_takes_our_kernels(rows):
+    x, weight, bias = bf16_matmul_case(rows, 992, 576, True)
+    linear = llama._Linear(weight, bias)
+    got = linear(x)
+    expected = linear._matmul_few_rows(x) if rows <= 8 else linear.matmul_pairs(x)
+    assert torch.equal(got, expected)
+    assert_within_rounding_of_torch(got, x, weight, bias)
+
+
+def test_prompts_take_the_pair_kernel_only_where_the_cpu_has_no_bf16_units(monkeypatch):
+    from worker.runner import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "pair_matmuls_available", lambda: True)
+    for flags, expected in [
+        ({"avx2", "fma"}, True),
+        ({"avx2", "fma", "avx512f", "avx512_bf16"}, False),
+        ({"avx2", "fma", "amx_bf16", "avx512_bf16"}, False),
+    ]:
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu_kernels.pair_matmuls_for_prompts() is expected
+    monkeypatch.setattr(cpu_kernels, "pair_matmuls_available", lambda: False)
+    assert not cpu_kernels.pair_matmuls_for_prompts()
 
 
 def test_weights_the_kernels_cannot_take_keep_torchs_matmul(monkeypatch):
@@ -51,7 +83,7 @@ def test_weights_the_kernels_cannot_take_keep_torchs_matmul(monkeypatch):
         linear = llama._Linear(weight)
         assert linear.tiled_weight is None
         assert torch.equal(linear(x.to(weight.dtype)), F.linear(x.to(weight.dtype), weight))
-    monkeypatch.setenv("LLMFLEET_CPU_AMX", "0")  # with AMX off, AVX512-BF16's pairs
+    monkeypatch.setenv("LLMFLEET_CPU_AMX", "0")  # with AMX off, AVX512-BF16's or AVX2's pairs
     assert llama.pair_matmuls_available()
     monkeypatch.setenv("LLMFLEET_CPU_PAIR_MATMUL", "0")
     assert llama._Linear(torch.randn(64, 64).to(torch.bfloat16)).tiled_weight is None

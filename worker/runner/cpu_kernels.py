@@ -138,9 +138,18 @@ def amx_matmuls_available() -> bool:
 
 def pair_matmuls_available() -> bool:
     """Whether bf16 matmuls past the few-row kernel's rows take `csrc/pair_matmul.c` here: a
-    CPU with AVX512-BF16 but no AMX (`amx_matmuls_available`), the kernels built, and
+    CPU with AVX512-BF16 or AVX2 but no AMX (`amx_matmuls_available`), the kernels built, and
     `LLMFLEET_CPU_PAIR_MATMUL` not `0`."""
     if os.environ.get("LLMFLEET_CPU_PAIR_MATMUL", "1") == "0" or amx_matmuls_available():
         return False
     library = load()
     return library is not None and bool(library.pair_matmul_available())
+
+
+def pair_matmuls_for_prompts() -> bool:
+    """Whether prompts' bf16 matmuls take `csrc/pair_matmul.c` too, not only decode steps:
+    where it runs (`pair_matmuls_available`) on a CPU without AVX512-BF16 (AVX2 only), whose
+    oneDNN bf16 matmul is emulated and several times slower than the kernel (docs/
+    benchmarks.md, session 38). With AVX512-BF16 prompts keep oneDNN's matmul, whose sums are
+    `transformers`' bit for bit."""
+    return pair_matmuls_available() and not {"avx512_bf16", "amx_bf16"} & cpu_flags()

@@ -25,7 +25,12 @@ from torch import nn
 
 from worker.runner import host_memory
 from worker.runner.cpu_decode import DecodeLayers
-from worker.runner.cpu_kernels import amx_matmuls_available, load, pair_matmuls_available
+from worker.runner.cpu_kernels import (
+    amx_matmuls_available,
+    load,
+    pair_matmuls_available,
+    pair_matmuls_for_prompts,
+)
 from worker.runner.cpu_layer_ops import LayerOps
 from worker.runner.paged_attention import StepMetadata, attend
 
@@ -49,9 +54,13 @@ class _Linear:
     `csrc/pair_matmul.c` over it in `decode_layers.c` (the layers' shapes at 16-32 rows:
     830-980 GFLOP/s against oneDNN's 430-840; session 29), while prompts keep oneDNN, whose sums the kernel's
     differ from by a rounding step in a few elements in 10,000: the prompts' logits stay
-    those of `transformers`, whose matmul is oneDNN's, bit for bit."""
+    those of `transformers`, whose matmul is oneDNN's, bit for bit. On a CPU with AVX2 alone,
+    where oneDNN emulates bf16, every matmul takes our kernels: `few_rows.c` up to 8 rows,
+    `pair_matmul.c` past that, prompts too (`pair_matmuls_for_prompts`; session 38)."""
 
-    __slots__ = ("_amx", "_few_rows", "_packed", "bias", "max_few_rows", "tiled_weight", "weight")
+    __slots__ = (
+        "_amx", "_few_rows", "_packed", "_pairs", "bias", "max_few_rows", "tiled_weight", "weight",
+    )  # fmt: skip
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
@@ -65,12 +74,15 @@ class _Linear:
                 self._packed = None
         self._few_rows = _few_rows_kernel(weight, bias)
         self.max_few_rows = self._few_rows.few_rows_available() if self._few_rows else 0
+        self._pairs = self.tiled_weight is not None and pair_matmuls_for_prompts()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._amx and x.shape[0] > 0:
             return self._matmul_amx(x)
         if 0 < x.shape[0] <= self.max_few_rows:
             return self._matmul_few_rows(x)
+        if self._pairs and x.shape[0] > 0:
+            return self.matmul_pairs(x)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -97,7 +109,8 @@ class _Linear:
 
     def matmul_pairs(self, x: torch.Tensor) -> torch.Tensor:
         """`csrc/pair_matmul.c`'s product, as the decode layers take it past 8 rows on CPUs
-        without AMX (their LM head: `DecodeLayers.lm_head`)."""
+        without AMX (their LM head: `DecodeLayers.lm_head`), and every matmul past 8 rows on
+        CPUs with AVX2 alone."""
         library = load()
         assert self.tiled_weight is not None and library is not None
         return _call_kernel(library.pair_matmul, x, self.tiled_weight, self.bias, self.weight.shape)

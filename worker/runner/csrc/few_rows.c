@@ -32,6 +32,15 @@ static inline int omp_thread(void) { return 0; }
 
 #define MAX_ROWS 8
 
+static inline float bias_value(const uint16_t *bias, int j) { /* bias[j] as fp32, or 0 */
+    float b = 0.f;
+    if (bias) {
+        const uint32_t bits = (uint32_t)bias[j] << 16;
+        memcpy(&b, &bits, sizeof b);
+    }
+    return b;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -63,15 +72,6 @@ static inline __m512bh load_pairs_ahead(const uint16_t *p) {
 
 static inline __m512bh load_pairs(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512(p);
-}
-
-static inline float bias_at(const uint16_t *bias, int j) {
-    float b = 0.f;
-    if (bias) {
-        const uint32_t bits = (uint32_t)bias[j] << 16;
-        memcpy(&b, &bits, sizeof b);
-    }
-    return b;
 }
 
 /* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8), one row of w at a time; four
@@ -110,7 +110,7 @@ static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t
             const __m512 total = S == 1 ? sum[r][0]
                                         : _mm512_add_ps(_mm512_add_ps(sum[r][0], sum[r][1]),
                                                         _mm512_add_ps(sum[r][2], sum[r][3]));
-            y[(int64_t)r * n + j] = to_bf16(_mm512_reduce_add_ps(total) + bias_at(bias, j));
+            y[(int64_t)r * n + j] = to_bf16(_mm512_reduce_add_ps(total) + bias_value(bias, j));
         }
     }
 }
@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void dot_group(const uint16_t *x, c
         }
     }
     for (int a = 0; a < J; a++) {
-        const float b = bias_at(bias, j + a);
+        const float b = bias_value(bias, j + a);
         for (int r = 0; r < ROWS; r++) {
             const __m512 total = S == 1 ? sum[r][a][0] : _mm512_add_ps(sum[r][a][0], sum[r][a][1]);
             y[(int64_t)r * n + j + a] = to_bf16(_mm512_reduce_add_ps(total) + b);
@@ -186,6 +186,95 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         default: dot_rows(x, w, bias, y, 8, n, k, n0, n1); break;
         }
     }
+    return 0;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* CPUs with AVX2 but no AVX512-BF16 (AMD EPYC Zen 2-3, Intel Xeons before Cooper Lake): the
+ * same matmul in fp32 multiply-adds, each 16 bf16 values of w widened into two vectors, the
+ * even ones by a shift and the odd ones by a mask (both exact), x's rows widened once into
+ * the same order (each 16 values: the 8 even, then the 8 odd), so that every product is the
+ * dot-product instruction's, exact, summed in fp32. One row of w at a time, a single stream
+ * per thread; at 1-2 rows of x, 4 or 2 sums a row, so that the multiply-adds of one weight
+ * row do not wait on each other. */
+#include <immintrin.h>
+#include <stdlib.h>
+
+int few_rows_available(void) { return MAX_ROWS; }
+
+#define PREFETCH_AHEAD 2048 /* each line of w asked for this far ahead, into L2 */
+
+static inline void widen_pairs(const uint16_t *p, __m256 *even, __m256 *odd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* w's rows n0 .. n1 - 1 against the ROWS widened rows of x (`xw`). */
+static inline __attribute__((always_inline)) void dot_rows_avx2(const float *xw, const uint16_t *w,
+                                                                const uint16_t *bias, uint16_t *y,
+                                                                const int ROWS, int n, int k,
+                                                                int n0, int n1) {
+    const int S = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1; /* sums a row of x */
+    for (int j = n0; j < n1; j++) {
+        const uint16_t *wj = w + (int64_t)j * k;
+        __m256 sum[MAX_ROWS][4];
+        for (int r = 0; r < ROWS; r++)
+            for (int a = 0; a < S; a++) sum[r][a] = _mm256_setzero_ps();
+        for (int i = 0; i < k; i += 32) /* a 64-byte line of w: two runs of 16 */
+            for (int h = 0; h < 2; h++) {
+                if (h == 0) _mm_prefetch((const char *)(wj + i) + PREFETCH_AHEAD, _MM_HINT_T1);
+                __m256 even, odd;
+                widen_pairs(wj + i + 16 * h, &even, &odd);
+                const int a = (i / 16 + h) % S;
+                for (int r = 0; r < ROWS; r++) {
+                    const float *xr = xw + (int64_t)r * k + i + 16 * h;
+                    sum[r][a] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xr), sum[r][a]);
+                    sum[r][a] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xr + 8), sum[r][a]);
+                }
+            }
+        for (int r = 0; r < ROWS; r++) {
+            __m256 total = sum[r][0];
+            for (int a = 1; a < S; a++) total = _mm256_add_ps(total, sum[r][a]);
+            y[(int64_t)r * n + j] = to_bf16(hsum8(total) + bias_value(bias, j));
+        }
+    }
+}
+
+int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int rows, int n, int k) {
+    if (rows < 1 || rows > MAX_ROWS || k % 32 || n < 1) return -2;
+    float *xw = malloc(sizeof(float) * rows * k);
+    if (xw == NULL) return -1;
+    for (int64_t i = 0; i < (int64_t)rows * k; i += 16) {
+        __m256 even, odd;
+        widen_pairs(x + i, &even, &odd);
+        _mm256_storeu_ps(xw + i, even);
+        _mm256_storeu_ps(xw + i + 8, odd);
+    }
+#pragma omp parallel
+    {
+        const int threads = omp_threads(), t = omp_thread();
+        const int per = (n + threads - 1) / threads;
+        const int n0 = t * per < n ? t * per : n, n1 = n0 + per < n ? n0 + per : n;
+        switch (rows) { /* a constant row count, so the loops over x's rows unroll */
+        case 1: dot_rows_avx2(xw, w, bias, y, 1, n, k, n0, n1); break;
+        case 2: dot_rows_avx2(xw, w, bias, y, 2, n, k, n0, n1); break;
+        case 3: dot_rows_avx2(xw, w, bias, y, 3, n, k, n0, n1); break;
+        case 4: dot_rows_avx2(xw, w, bias, y, 4, n, k, n0, n1); break;
+        case 5: dot_rows_avx2(xw, w, bias, y, 5, n, k, n0, n1); break;
+        case 6: dot_rows_avx2(xw, w, bias, y, 6, n, k, n0, n1); break;
+        case 7: dot_rows_avx2(xw, w, bias, y, 7, n, k, n0, n1); break;
+        default: dot_rows_avx2(xw, w, bias, y, 8, n, k, n0, n1); break;
+        }
+    }
+    free(xw);
     return 0;
 }
 #else
