@@ -67,14 +67,16 @@ class _Linear:
         self._packed: torch.Tensor | None = None
         self.tiled_weight = _tiled(weight, bias)
         self._amx = self.tiled_weight is not None and amx_matmuls_available()
-        if not self._amx and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        # with AVX2 alone the pair kernel takes every matmul past the few-row kernel's rows
+        self._pairs = self.tiled_weight is not None and pair_matmuls_for_prompts()
+        on_the_cpu = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        if not self._amx and not self._pairs and on_the_cpu:
             try:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             except RuntimeError:  # no oneDNN kernel for this dtype on this CPU
                 self._packed = None
         self._few_rows = _few_rows_kernel(weight, bias)
         self.max_few_rows = self._few_rows.few_rows_available() if self._few_rows else 0
-        self._pairs = self.tiled_weight is not None and pair_matmuls_for_prompts()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._amx and x.shape[0] > 0:

@@ -124,9 +124,10 @@ typedef struct {
 /* On a CPU with AVX2 but not AVX-512, GCC keeps `f16v` (16 floats, two AVX2 registers) in
  * memory through the loops below, in 16-byte pieces: a broadcast of one weight became 16
  * scalar stores, and each sum went through the stack between its multiply-adds. A decode
- * step's attention of 32 sequences x 256 tokens took about 200 ms there (an AMD EPYC, Zen 3,
- * session 38), against ~10 on AVX-512 hosts. This item is the same computation in 8-float
- * AVX2 vectors (`__m256`), which stay in registers. */
+ * step's attention of 32 sequences x 256 tokens took 61-87 ms there in fp32 (an AMD EPYC,
+ * Zen 3), against ~10 on AVX-512 hosts. This item is the same computation in 8-float AVX2
+ * vectors (`__m256`), which stay in registers: 2.0-2.7x faster in fp32, 2.3-4.2x in bf16
+ * (docs/benchmarks.md, session 38). */
 #define AVX2_ITEM 1
 #include <immintrin.h>
 
@@ -230,11 +231,11 @@ static inline __attribute__((always_inline)) void attend_item_avx2(const Step *s
         for (int c = 0; c < V; c++) qg[c] = _mm256_mul_ps(load8(s->q, q_at + g * dim + 8 * c, BF16), scale);
         float *sc = scores + g * max_len;
         for (int p0 = 0; p0 < len; p0 += 8) {
+            if (next >= 0 && g == g0) prefetch_next8(s, next, p0 / 8, (len + 7) / 8, BF16 ? 2 : 4);
             /* the 8 keys' places (past the last key, the last key's again: its lanes are
              * past the row's length, never read), then their sums side by side, a vector of
              * the head at a time: 8 independent chains of multiply-adds, where one key's
              * whole chain at a time waited on each multiply-add's latency */
-            if (next >= 0 && g == g0) prefetch_next8(s, next, p0 / 8, (len + 7) / 8, BF16 ? 2 : 4);
             int64_t at[8];
             int block = p0 / bs, offset = p0 % bs;
             for (int j = 0; j < 8; j++) {
