@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import torch
 
 from worker.runner import cpu_kernels
-from worker.runner.loader import cpu_flags
+from worker.runner.cpu_kernels import cpu_flags
 
 
 def header() -> dict:

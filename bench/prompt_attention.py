@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from bench import report
 from worker.runner import cpu_attention
-from worker.runner.loader import cpu_flags
+from worker.runner.cpu_kernels import cpu_flags
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 SCALE = DIM**-0.5

@@ -45,8 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.runner.cpu_kernels import amx_matmuls_available, load
-from worker.runner.loader import cpu_flags
+from worker.runner.cpu_kernels import amx_matmuls_available, cpu_flags, load
 
 MAX_HEAD_DIM = 256
 MAX_QUERIES_PER_KV_HEAD = 16

@@ -33,8 +33,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from worker.runner.loader import cpu_flags
-
 log = logging.getLogger("llmfleet.worker")
 
 _SOURCES = (
@@ -74,6 +72,17 @@ _SIGNATURES = {  # name: (argument types, result type)
     "pair_matmul": ((*[_P] * 4, *[_I] * 3), _I),
     "argmax_rows": ((_P, _P, _I, _I, _I), None),
 }
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`/proc/cpuinfo`); none where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    line = next((line for line in lines if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def _cache_dir() -> Path:

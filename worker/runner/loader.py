@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from shared.model_source import ModelSource
+from worker.runner import cpu_kernels
+from worker.runner.cpu_kernels import cpu_flags
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -54,20 +54,7 @@ def _cpu_has_bf16_matmul() -> bool:
     stays."""
     if {"amx_bf16", "avx512_bf16"} & cpu_flags():
         return True
-    from worker.runner import cpu_kernels  # imports this module
-
     return cpu_kernels.pair_matmuls_for_prompts()
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (`/proc/cpuinfo`); none where it cannot be read."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    line = next((line for line in lines if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
 
 
 def load(source: ModelSource, device: str = "auto", dtype: str = "auto") -> LoadedModel:
