@@ -260,9 +260,8 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
     }
 #pragma omp parallel
     {
-        const int threads = omp_threads(), t = omp_thread();
-        const int per = (n + threads - 1) / threads;
-        const int n0 = t * per < n ? t * per : n, n1 = n0 + per < n ? n0 + per : n;
+        int n0, n1;
+        thread_share(n, &n0, &n1);
         switch (rows) { /* a constant row count, so the loops over x's rows unroll */
         case 1: dot_rows_avx2(xw, w, bias, y, 1, n, k, n0, n1); break;
         case 2: dot_rows_avx2(xw, w, bias, y, 2, n, k, n0, n1); break;
