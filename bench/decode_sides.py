@@ -1,4 +1,4 @@
-"""Whole decode steps of one sequence, taken in turns by different paths through the same
+"""Whole decode steps of one sequence (or `--batch` of them), taken in turns by different paths through the same
 engine, in one process: where a host's memory changes its rate from second to second
 (docs/benchmarks.md: 29 to 59 GB/s within a minute on an AMD EPYC host), runs of the
 roofline a minute apart compare two memories as much as two builds; here each round times
@@ -16,6 +16,7 @@ The sides (the real model, bf16, greedy):
 
     python -m bench.decode_sides --context 256 --rounds 20 --json bench/results/decode-sides-cpu.json
     python -m bench.decode_sides --baseline /tmp/base-kernels/*.so --json ...
+    python -m bench.decode_sides --batch 4 --baseline /tmp/base-kernels/*.so --json ...
 
 The sequence decodes on through the rounds (each side's steps add to its context), so the
 context grows by `rounds x sides x steps` tokens over a run: every side sees the same
@@ -39,25 +40,30 @@ from worker.runner import loader
 from worker.sequence import Sequence
 
 
-def _engine(source: str, context: int, max_tokens: int):
+def _engine(source: str, context: int, max_tokens: int, batch: int = 1):
+    """An engine decoding `batch` sequences of `context` prompt tokens each (the first
+    returned: the others keep pace with it)."""
     resolved = model_source.resolve(source)
     loaded = loader.load(resolved, "auto", "bfloat16")
     decoder = model_source.load_tokenizer(resolved)
     heap.freeze_long_lived()  # as a worker does once its model is loaded
     engine = build_engine(
-        loaded, EngineConfig(max_num_seqs=1, max_num_batched_tokens=max(256, context))
+        loaded, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=batch * max(256, context))
     )
-    request = QueuedRequest(
-        request_id="sides", tenant_id="bench", model="bench", deployment_id=0,
-        kind="completion", prompt_token_ids=[1000 + j % 19000 for j in range(context)],
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        arrival_ts=0.0,
-    )  # fmt: skip
-    seq = Sequence.from_request(request, decoder, frozenset())
-    engine.add(seq)
-    while seq.num_output_tokens == 0:
-        engine.step()  # the prompt, in as many steps as the scheduler chunks it into
-    return engine, seq
+    seqs = []
+    for i in range(batch):
+        request = QueuedRequest(
+            request_id=f"sides-{i}", tenant_id="bench", model="bench", deployment_id=0,
+            kind="completion",
+            prompt_token_ids=[1000 + (i * 7 + j) % 19000 for j in range(context)],
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            arrival_ts=float(i),
+        )  # fmt: skip
+        seqs.append(Sequence.from_request(request, decoder, frozenset()))
+        engine.add(seqs[-1])
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        engine.step()  # the prompts, in as many steps as the scheduler chunks them into
+    return engine, seqs[0]
 
 
 def measure(
@@ -66,9 +72,11 @@ def measure(
     steps: int,
     baseline: str | None,
     source: str = model_source.DEFAULT_MODEL_ID,
+    batch: int = 1,
 ) -> dict:
     names = ["lists", "tensors", *(["baseline"] if baseline else [])]
-    engine, seq = _engine(source, context, max_tokens=rounds * len(names) * steps + 64)
+    max_tokens = rounds * len(names) * steps + 64
+    engine, seq = _engine(source, context, max_tokens, batch)
     runner = engine._runner
     forward = runner._forward
     if forward is None or forward.decode_layers is None:
@@ -102,6 +110,7 @@ def measure(
     use("lists")
     weight_bytes = sum(p.numel() * p.element_size() for p in runner._model.parameters())
     result: dict = {
+        "batch": batch,
         "context_tokens": [start_tokens, seq.num_tokens],
         "rounds": rounds,
         "steps_per_round": steps,
@@ -131,16 +140,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=5, help="steps a side a round")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--baseline", help="another build of the kernels (a .so)")
     parser.add_argument("--source", default=model_source.DEFAULT_MODEL_ID, help="the model")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    result = measure(args.context, args.rounds, args.steps, args.baseline, args.source)
+    result = measure(args.context, args.rounds, args.steps, args.baseline, args.source, args.batch)
     first, last = result["context_tokens"]
     plain = result["plain_read_gb_per_s"]
     print(
-        f"context {first}-{last} tokens, {args.rounds} rounds of {args.steps} steps a side, "
+        f"{args.batch} sequences, context {first}-{last} tokens, {args.rounds} rounds of {args.steps} steps a side, "
         f"plain read {min(plain):.0f}-{max(plain):.0f} GB/s (median {statistics.median(plain):.0f})"
     )
     for name, side in result["sides"].items():

@@ -1,5 +1,5 @@
-"""A batch-1 decode step's matmuls (the few-row kernel at one row of x, `csrc/few_rows.c`)
-against a plain read of the same weights, alternating in one process, and against another
+"""A decode step's matmuls of a few rows (the few-row kernel, `csrc/few_rows.c`; one row of x,
+a batch-1 step's, unless `--rows` says otherwise) against a plain read of the same weights, alternating in one process, and against another
 build of the kernels where one is given: the default model's 30 layers (fused QKV, o, gate-up,
 down) and its LM head, 269 MB of bf16 weights in huge pages, streamed from memory.
 
@@ -13,6 +13,8 @@ order, and the figures are per side over the same rounds.
     (cd /tmp/wt-base && LLMFLEET_KERNEL_CACHE=/tmp/base-kernels python -c \\
         "from worker.runner import cpu_kernels; cpu_kernels.load()")
     python -m bench.few_rows_stream --baseline /tmp/base-kernels/*.so --json ...
+    # steps of 1-8 sequences, each row count measured as above in turn:
+    python -m bench.few_rows_stream --rows 1 --rows 4 --rows 8 --baseline ... --json ...
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def _matmuls(library: ctypes.CDLL, matrices, x: torch.Tensor, y: torch.Tensor) -
     started = time.perf_counter()
     for w in matrices:
         n, k = w.shape
-        failed = library.matmul_few_rows(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 1, n, k)
+        failed = library.matmul_few_rows(
+            x.data_ptr(), w.data_ptr(), None, y.data_ptr(), x.shape[0], n, k
+        )
         if failed:
             raise RuntimeError(f"matmul_few_rows failed ({failed})")
     return time.perf_counter() - started
@@ -65,7 +69,7 @@ def _plain_read(arena: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def measure(rounds: int, baseline: str | None) -> dict:
+def measure(rounds: int, baseline: str | None, rows: int = 1) -> dict:
     library = load()
     if library is None or not library.few_rows_available():
         raise RuntimeError("the few-row kernel needs a C compiler and a CPU with AVX512-BF16")
@@ -74,8 +78,8 @@ def measure(rounds: int, baseline: str | None) -> dict:
         sides["baseline"] = kernel_run.with_signatures(baseline)
     arena, matrices = _weights()
     num_bytes = arena.numel() * arena.element_size()
-    x = (torch.randn(1, INTER) * 0.5).to(torch.bfloat16)
-    outputs = {name: torch.empty(1, VOCAB, dtype=torch.bfloat16) for name in sides}
+    x = (torch.randn(rows, INTER) * 0.5).to(torch.bfloat16)  # each matmul reads [rows, k] of it
+    outputs = {name: torch.empty(rows, VOCAB, dtype=torch.bfloat16) for name in sides}
     for name, lib in sides.items():  # warm-up, and the two builds' outputs compared
         _matmuls(lib, matrices, x, outputs[name])
     _plain_read(arena)
@@ -88,7 +92,7 @@ def measure(rounds: int, baseline: str | None) -> dict:
                 times[name].append(_plain_read(arena))
             else:
                 times[name].append(_matmuls(sides[name], matrices, x, outputs[name]))
-    result: dict = {"bytes": num_bytes, "rounds": rounds, "sides": {}}
+    result: dict = {"rows": rows, "bytes": num_bytes, "rounds": rounds, "sides": {}}
     for name in names:
         rates = [num_bytes / t / 1e9 for t in times[name]]
         result["sides"][name] = {
@@ -110,34 +114,32 @@ def measure(rounds: int, baseline: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rows", type=int, action="append", help="rows of x (1-8; repeatable)")
     parser.add_argument("--baseline", help="another build of the kernels (a .so) to compare")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    result = measure(args.rounds, args.baseline)
-    print(
-        f"{result['bytes'] / 1e6:.0f} MB a pass, {args.rounds} rounds, {torch.get_num_threads()} threads"
-    )
-    for name, side in result["sides"].items():
+    results = [measure(args.rounds, args.baseline, rows) for rows in args.rows or [1]]
+    for result in results:
         print(
-            f"{name:11s} mean {side['mean_gb_per_s']:5.1f} GB/s  median {side['median_gb_per_s']:5.1f}"
-            f"  best {side['best_gb_per_s']:5.1f}  (median of the rounds' ratios to the plain read:"
-            f" {side['of_plain_read_median']:.2f})"
+            f"{result['rows']} rows of x: {result['bytes'] / 1e6:.0f} MB a pass, {args.rounds}"
+            f" rounds, {torch.get_num_threads()} threads"
         )
-    if args.baseline:
-        print(
-            f"kernel / baseline speed, median of the rounds: "
-            f"{result['kernel_over_baseline_median']:.3f}; same bits: {result['same_bits']}"
-        )
+        for name, side in result["sides"].items():
+            print(
+                f"{name:11s} mean {side['mean_gb_per_s']:5.1f} GB/s  median"
+                f" {side['median_gb_per_s']:5.1f}  best {side['best_gb_per_s']:5.1f}  (median of"
+                f" the rounds' ratios to the plain read: {side['of_plain_read_median']:.2f})"
+            )
+        if args.baseline:
+            print(
+                f"kernel / baseline speed, median of the rounds: "
+                f"{result['kernel_over_baseline_median']:.3f}; same bits: {result['same_bits']}"
+            )
     if args.json:
-        report.write_json(
-            args.json,
-            {
-                **kernel_run.header(),
-                "baseline": args.baseline,
-                **result,
-            },
-        )
+        # one row count: its result at the top level, as before --rows; several: a list
+        body = results[0] if len(results) == 1 else {"points": results}
+        report.write_json(args.json, {**kernel_run.header(), "baseline": args.baseline, **body})
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ def header() -> dict:
     return {
         "created_at": datetime.now(UTC).isoformat(),
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
+        "cpu_defines": list(cpu_kernels.cpu_defines()),  # the kernels' build-time choices
         "threads": torch.get_num_threads(),
     }
 

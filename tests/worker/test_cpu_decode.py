@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench import kernel_run
 from tests import tiny_model
 from tests.factories import serve_together
 from tests.reference import assert_within_rounding_of_torch, bf16_matmul_case
@@ -34,6 +35,42 @@ def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):
     assert linear.max_few_rows == 8
     # the kernel itself: on a CPU with AMX the linear would take AMX's (test_amx_matmul.py)
     assert_within_rounding_of_torch(linear._matmul_few_rows(x), x, weight, bias)
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "defines"),
+    [
+        ("AuthenticAMD", "26", ("-DFEW_ROWS_ONE_STREAM",)),  # Zen 5: full-width AVX-512
+        ("AuthenticAMD", "25", ()),  # Zen 3-4: Zen 4 runs 512-bit dot products in halves
+        ("GenuineIntel", "6", ()),  # not measured there: the grouped kernel
+        (None, None, ()),  # /proc/cpuinfo unread
+    ],
+)
+def test_the_kernels_are_built_for_the_cpus_kind(monkeypatch, vendor, family, defines):
+    info = {} if vendor is None else {"vendor_id": vendor, "cpu family": family}
+    monkeypatch.setattr(cpu_kernels, "_cpuinfo", lambda: info)
+    assert cpu_kernels.cpu_defines() == defines
+
+
+def test_both_builds_of_the_few_row_kernel_are_torchs(monkeypatch, tmp_path):
+    """This CPU's build is tested above; the other one (2-7 rows of x one row of w at a time,
+    or in groups of rows of w) is built here, so that each is checked on any AVX512-BF16
+    host."""
+    other = () if cpu_kernels.cpu_defines() else ("-DFEW_ROWS_ONE_STREAM",)
+    monkeypatch.setattr(cpu_kernels, "cpu_defines", lambda: other)
+    monkeypatch.setenv("LLMFLEET_KERNEL_CACHE", str(tmp_path))
+    library = kernel_run.with_signatures(str(cpu_kernels._build(cpu_kernels._compiler())))
+    for rows in range(1, 9):
+        for n, k in [(37, 96), (1000, 576)]:
+            x, weight, bias = bf16_matmul_case(rows, n, k, with_bias=True)
+            y = torch.empty(rows, n, dtype=torch.bfloat16)
+            assert (
+                library.matmul_few_rows(
+                    x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n, k
+                )
+                == 0
+            )
+            assert_within_rounding_of_torch(y, x, weight, bias)
 
 
 def test_more_rows_and_other_weights_take_torchs_matmul():

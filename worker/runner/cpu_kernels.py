@@ -75,14 +75,38 @@ _SIGNATURES = {  # name: (argument types, result type)
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (`/proc/cpuinfo`); none where it cannot be read."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in `/proc/cpuinfo`; none where it cannot be read."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return frozenset()
-    line = next((line for line in lines if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+        return {}
+    fields: dict[str, str] = {}
+    for line in lines:
+        if not line.strip():
+            break
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+    return fields
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`/proc/cpuinfo`); none where it cannot be read."""
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def cpu_defines() -> tuple[str, ...]:
+    """The kernels' build-time choices for this CPU that `-march=native` does not make (GCC 12
+    calls an AMD Zen 4 and a Zen 5 both znver3): `FEW_ROWS_ONE_STREAM` where a 512-bit dot
+    product runs at full width, on AMD from family 0x1A (Zen 5) on (`csrc/few_rows.c`). Intel's
+    AVX-512 units are full width too, but the choice is not measured there yet: they keep the
+    grouped kernel."""
+    info = _cpuinfo()
+    family = info.get("cpu family", "")
+    if info.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A:
+        return ("-DFEW_ROWS_ONE_STREAM",)
+    return ()
 
 
 def _cache_dir() -> Path:
@@ -95,7 +119,8 @@ def _build(compiler: str) -> Path:
     here = Path(__file__).parent / "csrc"
     sources = {name: (here / name).read_text() for name in (*_HEADERS, *_SOURCES)}
     cpu = " ".join(sorted(cpu_flags()))  # -march=native: built for this CPU
-    key = hashlib.sha256("\n".join([*sources.values(), *_FLAGS, cpu]).encode()).hexdigest()
+    flags = (*_FLAGS, *cpu_defines())
+    key = hashlib.sha256("\n".join([*sources.values(), *flags, cpu]).encode()).hexdigest()
     library = _cache_dir() / f"llmfleet-kernels-{key[:16]}.so"
     if library.exists():
         return library
@@ -105,7 +130,7 @@ def _build(compiler: str) -> Path:
             (Path(build_dir) / name).write_text(text)
         built = Path(build_dir) / library.name
         paths = [str(Path(build_dir) / name) for name in _SOURCES]
-        command = [compiler, *_FLAGS, *paths, "-o", str(built), "-lm"]
+        command = [compiler, *flags, *paths, "-o", str(built), "-lm"]
         try:  # with OpenMP where the compiler has it; its pragmas are ignored without
             subprocess.run([*command, "-fopenmp"], check=True, capture_output=True, timeout=120)
         except subprocess.CalledProcessError:
@@ -114,12 +139,16 @@ def _build(compiler: str) -> Path:
     return library
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels (built on first use), or None where they are off or cannot be built."""
     if os.environ.get("LLMFLEET_CPU_ATTENTION_KERNEL", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found: the runner takes the slower torch paths")
         return None

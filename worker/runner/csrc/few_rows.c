@@ -57,6 +57,15 @@ int few_rows_available(void) { return MAX_ROWS; }
 #define PREFETCH_AHEAD 3072
 #endif
 
+/* 2-7 rows of x take dot_groups (J rows of w side by side, each load of x serving them all)
+ * unless FEW_ROWS_ONE_STREAM is defined: then dot_rows, one row of w at a time, as at 1 and 8.
+ * The build defines it (`cpu_kernels.py`) where a 512-bit dot product runs at full width
+ * (AMD Zen 5): the group's loads and dot products bound it on Zen 4, whose 512-bit units run
+ * each in two halves, but not there, where the single stream a thread reads the memory
+ * faster. On an AMD EPYC Zen 5 a decode step's matmuls of 2-7 rows (the layers' and the LM
+ * head's, 269 MB) took 0.76-0.86 of the grouped kernel's time, and whole steps of 2-7
+ * sequences 0.75-0.87 where the memory read 34-50 GB/s (docs/benchmarks.md, session 39). */
+
 /* Where J rows of w are read side by side (dot_group), each line is asked for at least 8 KB
  * ahead, at the same place in a later group's row: on an AMD EPYC host the layers' matmuls of
  * 5-6 rows took 0.69-0.90 of the old kernel's time with 8 KB (the less in the minutes its
@@ -74,10 +83,11 @@ static inline __m512bh load_pairs(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512(p);
 }
 
-/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8), one row of w at a time; four
- * sums at one row of x, so that the dot-product instructions of one weight row do not wait on
- * each other (with two, the weights streamed at 66-70 GB/s where the host gave 76-78, and at
- * 72 with four), one a row at 8, where the rows alone keep them independent. */
+/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8; 1-8 with FEW_ROWS_ONE_STREAM),
+ * one row of w at a time. Four sums a row of x up to 4 rows, so that the dot-product
+ * instructions of one weight row do not wait on each other (at one row, with two, the weights
+ * streamed at 66-70 GB/s where the host gave 76-78, and at 72 with four); one a row from 5,
+ * where the rows alone keep them independent. */
 static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                             uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
     for (int j = n0; j < n1; j++) {
@@ -167,6 +177,12 @@ static inline void dot_groups(const uint16_t *x, const uint16_t *w, const uint16
     for (; j < n1; j++) dot_group(x, w, bias, y, ROWS, 1, 2, n, k, j);
 }
 
+#ifdef FEW_ROWS_ONE_STREAM
+#define DOT_FEW(ROWS) dot_rows(x, w, bias, y, ROWS, n, k, n0, n1)
+#else
+#define DOT_FEW(ROWS) dot_groups(x, w, bias, y, ROWS, n, k, n0, n1)
+#endif
+
 int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                     int rows, int n, int k) {
     if (rows < 1 || rows > MAX_ROWS || k % 32 || n < 1) return -2;
@@ -177,12 +193,12 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         const int n0 = t * per < n ? t * per : n, n1 = n0 + per < n ? n0 + per : n;
         switch (rows) { /* a constant row count, so the loops over x's rows unroll */
         case 1: dot_rows(x, w, bias, y, 1, n, k, n0, n1); break;
-        case 2: dot_groups(x, w, bias, y, 2, n, k, n0, n1); break;
-        case 3: dot_groups(x, w, bias, y, 3, n, k, n0, n1); break;
-        case 4: dot_groups(x, w, bias, y, 4, n, k, n0, n1); break;
-        case 5: dot_groups(x, w, bias, y, 5, n, k, n0, n1); break;
-        case 6: dot_groups(x, w, bias, y, 6, n, k, n0, n1); break;
-        case 7: dot_groups(x, w, bias, y, 7, n, k, n0, n1); break;
+        case 2: DOT_FEW(2); break;
+        case 3: DOT_FEW(3); break;
+        case 4: DOT_FEW(4); break;
+        case 5: DOT_FEW(5); break;
+        case 6: DOT_FEW(6); break;
+        case 7: DOT_FEW(7); break;
         default: dot_rows(x, w, bias, y, 8, n, k, n0, n1); break;
         }
     }
