@@ -12,7 +12,9 @@ breaks is retried as a whole under the client's retry policy, as a single comman
 what must not run twice is idempotent here as it must be anyway (`shared/redis_conn.py`).
 
 Blocking commands (`BLPOP`, `XREADGROUP ... BLOCK`, ...) and connection state (`WATCH`,
-`SELECT`) are never pipelined: they go out alone, as with the plain client. Pipelines of
+`SELECT`) are never pipelined: they go out alone, as with the plain client. A stream read
+without `BLOCK` answers at once and is pipelined like any other command (a busy worker reads
+its tenants' streams beside the tenant set, `worker/intake.py`). Pipelines of
 this client (`pipeline()`, transactions) are redis-py's own and go out alone as well.
 
 The idea is ioredis's `enableAutoPipelining` and Lettuce's command batching; redis-py has
@@ -38,8 +40,8 @@ _ALONE = frozenset(
         "BZPOPMIN",
         "BZPOPMAX",
         "BZMPOP",
-        "XREAD",
-        "XREADGROUP",
+        "XREAD",  # with BLOCK (`_is_alone`)
+        "XREADGROUP",  # with BLOCK
         "WAIT",
         "WATCH",
         "UNWATCH",
@@ -54,6 +56,27 @@ _ALONE = frozenset(
 )
 # The most commands one pipeline carries; more in one turn go out as several.
 MAX_BATCH = 256
+_STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
+
+
+def _is_alone(args: tuple[Any, ...]) -> bool:
+    """Whether a command goes out alone: one that holds its connection (`_ALONE`); a stream
+    read only where it blocks (a BLOCK among its options, which come before STREAMS)."""
+    if not isinstance(args[0], str):
+        return True
+    name = args[0].upper()
+    if name not in _ALONE:
+        return False
+    if name not in _STREAM_READS:
+        return True
+    for arg in args[1:]:  # redis-py passes the keywords as bytes
+        word = arg.upper() if isinstance(arg, str | bytes) else b""
+        if word in ("STREAMS", b"STREAMS"):
+            return False
+        if word in ("BLOCK", b"BLOCK"):
+            return True
+    return False
+
 
 _Pending = tuple[tuple[Any, ...], dict[str, Any], asyncio.Future]
 
@@ -67,7 +90,7 @@ class AutoPipelinedRedis(aioredis.Redis):
         self._batches: set[asyncio.Task] = set()
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        if not isinstance(args[0], str) or args[0].upper() in _ALONE:
+        if _is_alone(args):
             return await super().execute_command(*args, **options)
         loop = asyncio.get_running_loop()
         reply = loop.create_future()

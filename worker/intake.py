@@ -106,6 +106,9 @@ class Intake:
         self._is_fair = is_fair
         self._preferred = preferred_tenants
         self._streams_with_group: set[str] = set()
+        # The tenants' streams as the latest pull saw them: a busy pull reads them and the
+        # tenant set in one round trip (`_pull`).
+        self._known: dict[str, str] | None = None
 
     async def pull(self, engine: IntakeView, block_ms: int | None) -> list[StreamEntry]:
         """New entries for the engine's free places, spread over the tenants' streams, and
@@ -119,18 +122,41 @@ class Intake:
         room = engine.num_free_slots()
         if not room and not self._is_fair and block_ms is None:
             return []  # FIFO waits for room: nothing to read, not even the streams
-        streams = await self._streams()
-        if block_ms is not None:  # idle: room for everyone, and wait for anything to arrive
-            plan = plan_pull(room, list(streams), engine, is_fair=self._is_fair)
-            return await self._read(streams, plan, block_ms)
-        taken: list[StreamEntry] = []
+        if block_ms is not None or self._known is None:
+            streams = self._known = await self._streams()
+            if block_ms is not None:  # idle: room for everyone, and wait for anything to arrive
+                plan = plan_pull(room, list(streams), engine, is_fair=self._is_fair)
+                return await self._read(streams, plan, block_ms)
+            return await self._read_busy(streams, room, engine, [])
+        # Busy, between two steps: the known tenants' streams are read while the tenant set is
+        # read again, in one round trip (the client pipelines a turn's commands); a tenant new
+        # since the latest pull is read in a second. Asking for the set first and then reading
+        # took two round trips, each about a millisecond between two steps while the API takes
+        # the last step's tokens (docs/benchmarks.md, session 39).
+        known = self._known
+        streams, taken = await asyncio.gather(
+            self._streams(), self._read_busy(known, room, engine, [])
+        )
+        self._known = streams
+        new = {t: stream for t, stream in streams.items() if t not in known}
+        return await self._read_busy(new, room, engine, taken) if new else taken
+
+    async def _read_busy(
+        self,
+        streams: dict[str, str],
+        room: int,
+        engine: IntakeView,
+        taken: list[StreamEntry],
+    ) -> list[StreamEntry]:
+        """While busy: `taken` and what `streams` give for the `room` free places, the
+        preferred tenants' first (`plan_pull`)."""
         preferred = [t for t in streams if t in self._preferred]
         for group in (preferred, [t for t in streams if t not in self._preferred]):
             # The room is shared by the group; what others just took is not its to share.
             num_taken = Counter(entry.request.tenant_id for entry in taken)
             num_free = max(0, room - sum(n for t, n in num_taken.items() if t not in group))
             plan = plan_pull(num_free, group, engine, is_fair=self._is_fair, num_taken=num_taken)
-            taken += await self._read(streams, plan)
+            taken = taken + await self._read(streams, plan)
         return taken
 
     async def _read(

@@ -14,12 +14,13 @@ from shared.redis_conn import async_client
 
 
 class CountingClient(AutoPipelinedRedis):
-    """Counts the pipelines it sends."""
+    """Counts the pipelines it sends, and names their commands."""
 
     num_pipelines = 0
 
     async def _run(self, batch):
         self.num_pipelines += 1
+        self.pipelined = [args[0] for args, _, _ in batch]
         await super()._run(batch)
 
 
@@ -63,6 +64,28 @@ async def test_a_blocking_command_goes_alone_and_holds_up_no_other(client):
     assert await asyncio.wait_for(ping, timeout=0.5)
     await client.rpush(key, "x")
     assert tuple(await blocking) == (key.encode(), b"x")
+
+
+async def test_a_stream_read_that_does_not_block_goes_with_the_turns_commands(client):
+    stream, group = uuid.uuid4().hex, "workers"
+    await client.xgroup_create(stream, group, id="0", mkstream=True)
+    await client.xadd(stream, {"n": "1"})
+    before = client.num_pipelines
+    members, read = await asyncio.gather(
+        client.smembers(f"{stream}:none"), client.xreadgroup(group, "c", {stream: ">"}, count=5)
+    )
+    assert client.num_pipelines == before + 1  # one round trip for both
+    assert client.pipelined == ["SMEMBERS", "XREADGROUP"]
+    assert members == set()
+    [(name, [(_, fields)])] = read
+    assert name == stream.encode() and fields == {b"n": b"1"}
+    # with BLOCK it goes alone: pipelined, the PING would wait its 2 s
+    blocking = asyncio.ensure_future(client.xreadgroup(group, "c", {stream: ">"}, block=2000))
+    ping = asyncio.ensure_future(client.ping())
+    assert await asyncio.wait_for(ping, timeout=0.5)
+    await client.xadd(stream, {"n": "2"})
+    [(_, [(_, fields)])] = await blocking
+    assert fields == {b"n": b"2"}
 
 
 async def test_a_caller_cancelled_mid_flight_leaves_the_others_their_replies(client):

@@ -6,6 +6,7 @@ import uuid
 from collections import Counter
 
 from shared import keys
+from shared.auto_pipeline import AutoPipelinedRedis
 from tests.factories import make_request
 from worker.intake import Intake, plan_pull
 
@@ -66,6 +67,38 @@ async def test_a_busy_worker_fills_its_room_from_its_preferred_tenants_first(are
     entries = await intake.pull(_Engine(num_free=4, soon={"a", "b"}), None)
     # b's requests take the room; a's, next in line, comes as a head.
     assert sorted(e.request.tenant_id for e in entries) == ["a", "b", "b", "b", "b"]
+
+
+class _Recording(AutoPipelinedRedis):
+    """Names the commands of each pipeline it sends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.round_trips: list[list[str]] = []
+
+    async def _run(self, batch):
+        self.round_trips.append([str(args[0]) for args, _, _ in batch])
+        await super()._run(batch)
+
+
+async def test_a_busy_pull_reads_the_tenant_set_and_the_streams_in_one_round_trip(
+    aredis, redis_server
+):
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    await _enqueue(aredis, model, "a", 10)
+    client = _Recording.from_url(redis_server.url)
+    intake, engine = Intake(client, model, "w1"), _Engine(num_free=2, soon={"a", "b"})
+    assert len(await intake.pull(engine, None)) == 2  # the first pull learns the tenants
+    client.round_trips.clear()
+    entries = await intake.pull(engine, None)
+    assert [e.request.tenant_id for e in entries] == ["a", "a"]
+    reads = [trip for trip in client.round_trips if {"SMEMBERS", "XREADGROUP"} & set(trip)]
+    assert reads == [["SMEMBERS", "XREADGROUP"]]  # one round trip, not one each
+    # A tenant new since the latest pull is read in the same pull, after the set shows it.
+    await _enqueue(aredis, model, "b", 10)
+    entries = await intake.pull(engine, None)
+    assert sorted(e.request.tenant_id for e in entries) == ["a", "a", "b"]
+    await client.aclose()
 
 
 async def test_an_idle_worker_takes_its_room_from_every_stream(aredis):
