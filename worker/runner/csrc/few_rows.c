@@ -63,8 +63,9 @@ int few_rows_available(void) { return MAX_ROWS; }
  * (AMD Zen 5): the group's loads and dot products bound it on Zen 4, whose 512-bit units run
  * each in two halves, but not there, where the single stream a thread reads the memory
  * faster. On an AMD EPYC Zen 5 a decode step's matmuls of 2-7 rows (the layers' and the LM
- * head's, 269 MB) took 0.76-0.86 of the grouped kernel's time, and whole steps of 2-7
- * sequences 0.75-0.87 where the memory read 34-50 GB/s (docs/benchmarks.md, session 39). */
+ * head's, 269 MB) took 0.77-0.86 of the grouped kernel's time, and whole steps of 2-7
+ * sequences 0.78-0.88 (0.99 in one run of 6, in a minute the memory read 50-81 GB/s;
+ * docs/benchmarks.md, session 39). */
 
 /* Where J rows of w are read side by side (dot_group), each line is asked for at least 8 KB
  * ahead, at the same place in a later group's row: on an AMD EPYC host the layers' matmuls of
