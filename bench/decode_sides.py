@@ -1,9 +1,9 @@
-"""Whole decode steps of one sequence (or `--batch` of them), taken in turns by different paths through the same
-engine, in one process: where a host's memory changes its rate from second to second
-(docs/benchmarks.md: 29 to 59 GB/s within a minute on an AMD EPYC host), runs of the
-roofline a minute apart compare two memories as much as two builds; here each round times
-every side back to back, in a rotating order, and the figures are per side over the same
-rounds, with the plain read of the roofline's probe between them.
+"""Whole decode steps of one sequence (or `--batch` of them), taken in turns by different
+paths through the same engine, in one process: where a host's memory changes its rate from
+second to second (docs/benchmarks.md: 29 to 59 GB/s within a minute on an AMD EPYC host),
+runs of the roofline a minute apart compare two memories as much as two builds; here each
+round times every side back to back, in a rotating order, and the figures are per side over
+the same rounds, with the plain read of the roofline's probe between them.
 
 The sides (the real model, bf16, greedy):
 - `lists`: the runner as it is: a decode-only step from the scheduler's lists into one C
@@ -150,8 +150,8 @@ def main() -> None:
     first, last = result["context_tokens"]
     plain = result["plain_read_gb_per_s"]
     print(
-        f"{args.batch} sequences, context {first}-{last} tokens, {args.rounds} rounds of {args.steps} steps a side, "
-        f"plain read {min(plain):.0f}-{max(plain):.0f} GB/s (median {statistics.median(plain):.0f})"
+        f"{args.batch} sequences, context {first}-{last} tokens, {args.rounds} rounds of "
+        f"{args.steps} steps a side, plain read {min(plain):.0f}-{max(plain):.0f} GB/s (median {statistics.median(plain):.0f})"
     )
     for name, side in result["sides"].items():
         print(

@@ -1,7 +1,8 @@
-"""A decode step's matmuls of a few rows (the few-row kernel, `csrc/few_rows.c`; one row of x,
-a batch-1 step's, unless `--rows` says otherwise) against a plain read of the same weights, alternating in one process, and against another
-build of the kernels where one is given: the default model's 30 layers (fused QKV, o, gate-up,
-down) and its LM head, 269 MB of bf16 weights in huge pages, streamed from memory.
+"""A decode step's matmuls of a few rows (the few-row kernel, `csrc/few_rows.c`) against a
+plain read of the same weights, alternating in one process, and against another build of
+the kernels where one is given (one row of x, a batch-1 step's, unless `--rows` says
+otherwise): the default model's 30 layers (fused QKV, o, gate-up, down) and its LM head,
+269 MB of bf16 weights in huge pages, streamed from memory.
 
 On a shared host the memory's rate moves from second to second (docs/benchmarks.md: 32 to 58
 GB/s within a minute on an AMD EPYC host), so the sides take turns, each round in another
