@@ -99,9 +99,10 @@ def cpu_flags() -> frozenset[str]:
 def cpu_defines() -> tuple[str, ...]:
     """The kernels' build-time choices for this CPU that `-march=native` does not make (GCC 12
     calls an AMD Zen 4 and a Zen 5 both znver3): `FEW_ROWS_ONE_STREAM` where a 512-bit dot
-    product runs at full width, on AMD from family 0x1A (Zen 5) on (`csrc/few_rows.c`). Intel's
-    AVX-512 units are full width too, but the choice is not measured there yet: they keep the
-    grouped kernel."""
+    product runs at full width, on AMD from family 0x1A (Zen 5) on (`csrc/few_rows.c`; the
+    server parts, measured; Zen 5's laptop parts run AVX-512 in halves, as Zen 4 does, and are
+    not told apart here). Intel's AVX-512 units are full width too, but the choice is not
+    measured there yet: they keep the grouped kernel."""
     info = _cpuinfo()
     family = info.get("cpu family", "")
     if info.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A:
