@@ -40,8 +40,6 @@ _ALONE = frozenset(
         "BZPOPMIN",
         "BZPOPMAX",
         "BZMPOP",
-        "XREAD",  # with BLOCK (`_is_alone`)
-        "XREADGROUP",  # with BLOCK
         "WAIT",
         "WATCH",
         "UNWATCH",
@@ -56,19 +54,18 @@ _ALONE = frozenset(
 )
 # The most commands one pipeline carries; more in one turn go out as several.
 MAX_BATCH = 256
+# Stream reads: alone only where they block (`_is_alone`).
 _STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
 
 
 def _is_alone(args: tuple[Any, ...]) -> bool:
-    """Whether a command goes out alone: one that holds its connection (`_ALONE`); a stream
-    read only where it blocks (a BLOCK among its options, which come before STREAMS)."""
+    """Whether a command goes out alone: one that holds its connection (`_ALONE`), or a
+    stream read that blocks (a BLOCK among its options, which come before STREAMS)."""
     if not isinstance(args[0], str):
         return True
     name = args[0].upper()
-    if name not in _ALONE:
-        return False
     if name not in _STREAM_READS:
-        return True
+        return name in _ALONE
     for arg in args[1:]:  # redis-py passes the keywords as bytes
         word = arg.upper() if isinstance(arg, str | bytes) else b""
         if word in ("STREAMS", b"STREAMS"):

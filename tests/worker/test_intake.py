@@ -74,10 +74,10 @@ class _Recording(AutoPipelinedRedis):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.round_trips: list[list[str]] = []
+        self.pipelines: list[list[str]] = []
 
     async def _run(self, batch):
-        self.round_trips.append([str(args[0]) for args, _, _ in batch])
+        self.pipelines.append([str(args[0]) for args, _, _ in batch])
         await super()._run(batch)
 
 
@@ -89,10 +89,10 @@ async def test_a_busy_pull_reads_the_tenant_set_and_the_streams_in_one_round_tri
     client = _Recording.from_url(redis_server.url)
     intake, engine = Intake(client, model, "w1"), _Engine(num_free=2, soon={"a", "b"})
     assert len(await intake.pull(engine, None)) == 2  # the first pull learns the tenants
-    client.round_trips.clear()
+    client.pipelines.clear()
     entries = await intake.pull(engine, None)
     assert [e.request.tenant_id for e in entries] == ["a", "a"]
-    reads = [trip for trip in client.round_trips if {"SMEMBERS", "XREADGROUP"} & set(trip)]
+    reads = [sent for sent in client.pipelines if {"SMEMBERS", "XREADGROUP"} & set(sent)]
     assert reads == [["SMEMBERS", "XREADGROUP"]]  # one round trip, not one each
     # A tenant new since the latest pull is read in the same pull, after the set shows it.
     await _enqueue(aredis, model, "b", 10)
