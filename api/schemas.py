@@ -132,6 +132,21 @@ class CompletionBody(GenerationBody):
     best_of: Any = None
     suffix: Any = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """OpenAI's API also takes a list of prompts (strings or token lists), and clients
+        such as LangChain's send one prompt that way: a list of one is that prompt; several
+        in one request are refused, as `n > 1` is (one request, one stream, one usage)."""
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) > 1:
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "several prompts in one request are not supported; send one request per prompt",
+                )
+            return value[0]
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, value: str | list[int]) -> str | list[int]:

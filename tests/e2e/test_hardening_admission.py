@@ -277,6 +277,27 @@ def test_the_official_client_default_requests_are_accepted(
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.parametrize("prompt", [["hi"], [[23, 45]]])
+def test_a_list_of_one_prompt_is_that_prompt(
+    api_url, tiny_worker, tiny_deployment, make_tenant, prompt
+):
+    _, key = make_tenant("one-prompt-list")
+    response = _post(
+        api_url, key, {"model": tiny_deployment.model_id, "prompt": prompt, "max_tokens": 2}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == (1 if prompt == ["hi"] else 2)
+
+
+@pytest.mark.parametrize("prompt", [["hi", "there"], [[23], [45]]])
+def test_several_prompts_in_one_request_are_400(api_url, tiny_deployment, make_tenant, rdb, prompt):
+    tenant_id, key = make_tenant("several-prompts")
+    response = _post(api_url, key, {"model": tiny_deployment.model_id, "prompt": prompt})
+    error = assert_error(response, 400, "unsupported_parameter")
+    assert error["param"] == "prompt" and "one request per prompt" in error["message"]
+    assert not rdb.exists(keys.tenant_stream(tiny_deployment.name, tenant_id))
+
+
 def _body(deployment, path: str) -> dict:
     if path == "/v1/completions":
         return {"model": deployment.model_id, "prompt": "hi"}
