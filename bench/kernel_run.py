@@ -4,12 +4,14 @@ count), and another build of the kernels loaded beside this one's (`--baseline`)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import torch
 
-from worker.runner import cpu_kernels
+from worker.runner import cpu_attention, cpu_kernels
 from worker.runner.cpu_kernels import cpu_flags
 
 
@@ -31,3 +33,15 @@ def with_signatures(path: str) -> ctypes.CDLL:
             function = getattr(other, name)
             function.argtypes, function.restype = argtypes, restype
     return other
+
+
+@contextlib.contextmanager
+def attention_from(library: ctypes.CDLL) -> Iterator[None]:
+    """Inside, the attention entries of `cpu_attention` call into `library` (another build):
+    one process times both builds' attention in turns, the rest of a step the same."""
+    saved = cpu_attention.load
+    cpu_attention.load = lambda: library
+    try:
+        yield
+    finally:
+        cpu_attention.load = saved

@@ -8,20 +8,24 @@ did up to session 34) against once for them all (`paged_prefill_spans`), taking 
 
     python -m bench.prompt_attention --json bench/results/prompt-attention-cpu.json
     python -m bench.prompt_attention --steps --json bench/results/prompt-spans-cpu.json
+
+`--baseline`: the kernel of another build (a .so made by a worktree of an earlier commit, as
+in `bench/few_rows_stream.py`) beside this build's, the two taking turns on each case.
+
+    python -m bench.prompt_attention --baseline /tmp/base-kernels/*.so --json ...
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from datetime import UTC, datetime
 
 import torch
 import torch.nn.functional as F
 
-from bench import report
+from bench import kernel_run, report
 from worker.runner import cpu_attention
-from worker.runner.cpu_kernels import cpu_flags
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 SCALE = DIM**-0.5
@@ -49,7 +53,20 @@ def _median_ms(fn, repeat: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def measure(repeat: int = 20) -> list[dict]:
+def _turns_ms(sides: dict, repeat: int) -> dict[str, list[float]]:
+    """Each side's times (ms), the sides taking turns, every other round in reverse order."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for index in range(repeat + 3):  # the first three rounds a warm-up
+        for name, fn in list(sides.items())[:: 1 if index % 2 else -1]:
+            started = time.perf_counter()
+            fn()
+            if index >= 3:
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def measure(repeat: int = 20, baseline: str | None = None) -> list[dict]:
+    other = kernel_run.with_signatures(baseline) if baseline else None
     generator = torch.Generator().manual_seed(0)
     rows = []
     for tokens, start in CASES:
@@ -78,6 +95,19 @@ def measure(repeat: int = 20) -> list[dict]:
         if cpu_attention.has_prefill_kernel():
             row["kernel_ms"] = _median_ms(kernel, repeat)
             row["max_abs_difference"] = (kernel().float() - sdpa().float()).abs().max().item()
+        if other is not None:
+
+            def kernel_of_baseline(kernel=kernel):
+                with kernel_run.attention_from(other):
+                    return kernel()
+
+            times = _turns_ms({"kernel": kernel, "baseline": kernel_of_baseline}, repeat)
+            row["kernel_ms"] = statistics.median(times["kernel"])
+            row["baseline_ms"] = statistics.median(times["baseline"])
+            row["baseline_over_kernel"] = statistics.median(
+                b / a for a, b in zip(times["kernel"], times["baseline"], strict=True)
+            )
+            row["same_bits"] = torch.equal(kernel(), kernel_of_baseline())
         rows.append(row)
     return rows
 
@@ -141,12 +171,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--steps", action="store_true", help="a step's chunks: each or together")
+    parser.add_argument("--baseline", help="another build of the kernels (a .so), in turns")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    if args.steps and not cpu_attention.has_prefill_kernel():
+    if (args.steps or args.baseline) and not cpu_attention.has_prefill_kernel():
         raise SystemExit("the prompt kernel is not built here (a CPU with AVX512-BF16)")
-    rows = measure_steps(args.repeat) if args.steps else measure(args.repeat)
+    rows = measure_steps(args.repeat) if args.steps else measure(args.repeat, args.baseline)
     print(f"threads {torch.get_num_threads()}; AMX {cpu_attention.has_amx()}; median ms")
     for row in rows if args.steps else []:
         print(
@@ -157,17 +188,15 @@ def main() -> None:
     for row in [] if args.steps else rows:
         kernel = row.get("kernel_ms")
         versus = f"{kernel:8.2f} ms kernel, {kernel / row['sdpa_ms']:.2f}x" if kernel else ""
+        if "baseline_ms" in row:
+            versus += (
+                f"; baseline {row['baseline_ms']:7.2f} ms ({row['baseline_over_kernel']:.2f}x the "
+                f"kernel's time; same bits: {row['same_bits']})"
+            )
         print(f"{row['tokens']:5d} at {row['start']:5d}: {row['sdpa_ms']:8.2f} ms SDPA {versus}")
     if args.json:
-        flags = cpu_flags()
         report.write_json(
-            args.json,
-            {
-                "created_at": datetime.now(UTC).isoformat(),
-                "cpu_flags": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16"))),
-                "threads": torch.get_num_threads(),
-                "rows": rows,
-            },
+            args.json, {**kernel_run.header(), "baseline": args.baseline, "rows": rows}
         )
 
 

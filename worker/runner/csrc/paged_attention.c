@@ -1048,7 +1048,13 @@ static int prefill_run(const Prefill *spans, int count, const int DIMV) {
                 continue;
             }
 #endif
-            prefill_tile(s, it.kvh, it.i0, DIMV, kp, vp, sc, pw, stride);
+            /* the common head dimensions get their own copy, the vector count a constant: as
+             * a value read at run time (this region's body is one function for every
+             * DIMV) the weighted values' sums lived on the stack, a load and a store around
+             * each dot product */
+            if (DIMV == 4) prefill_tile(s, it.kvh, it.i0, 4, kp, vp, sc, pw, stride);
+            else if (DIMV == 8) prefill_tile(s, it.kvh, it.i0, 8, kp, vp, sc, pw, stride);
+            else prefill_tile(s, it.kvh, it.i0, DIMV, kp, vp, sc, pw, stride);
         }
 #ifdef LLMFLEET_AMX
         if (s0->amx) _tile_release();
