@@ -40,7 +40,7 @@ def attention_from(library: ctypes.CDLL) -> Iterator[None]:
     """Inside, the attention entries of `cpu_attention` call into `library` (another build):
     one process times both builds' attention in turns, the rest of a step the same."""
     saved = cpu_attention.load
-    cpu_attention.load = lambda: library
+    cpu_attention.load = lambda: library  # type: ignore[assignment]  # a bench-only swap
     try:
         yield
     finally:

@@ -31,6 +31,7 @@ TORCH_ALLOWED = (
     "bench.kernel_run",
     "bench.decode_sides",
     "bench.decode_attention",
+    "bench.prompt_sides",
 )
 
 
