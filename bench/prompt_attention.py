@@ -143,17 +143,11 @@ def measure_steps(repeat: int = 20) -> list[dict]:
         def together(q=q, k_pool=k_pool, v_pool=v_pool, spans=spans, out=out):
             cpu_attention.paged_prefill_spans(q, k_pool, v_pool, spans, out, SCALE)
 
-        times: dict[str, list[float]] = {"each": [], "together": []}
-        for index in range(repeat + 2):  # the first two rounds a warm-up
-            for name, fn in (("each", each), ("together", together))[:: 1 if index % 2 else -1]:
-                started = time.perf_counter()
-                fn()
-                if index >= 2:
-                    times[name].append(time.perf_counter() - started)
+        times = _turns_ms({"each": each, "together": together}, repeat)
         each()
         by_chunk = out.clone()
         together()
-        ms = {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+        ms = {name: statistics.median(t) for name, t in times.items()}
         rows.append(
             {
                 "chunks": count,

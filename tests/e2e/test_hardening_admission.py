@@ -277,16 +277,18 @@ def test_the_official_client_default_requests_are_accepted(
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
-@pytest.mark.parametrize("prompt", [["hi"], [[23, 45]]])
+@pytest.mark.parametrize("prompt", ["hi there", [23, 45, 67]])
 def test_a_list_of_one_prompt_is_that_prompt(
     api_url, tiny_worker, tiny_deployment, make_tenant, prompt
 ):
+    """`[prompt]` (LangChain's form) is served as `prompt`: the same prompt tokens, greedy, the
+    same text."""
     _, key = make_tenant("one-prompt-list")
-    response = _post(
-        api_url, key, {"model": tiny_deployment.model_id, "prompt": prompt, "max_tokens": 2}
-    )
-    assert response.status_code == 200, response.text
-    assert response.json()["usage"]["prompt_tokens"] == (1 if prompt == ["hi"] else 2)
+    body = {"model": tiny_deployment.model_id, "max_tokens": 4, "temperature": 0}
+    alone, listed = (_post(api_url, key, body | {"prompt": p}) for p in (prompt, [prompt]))
+    assert alone.status_code == listed.status_code == 200, listed.text
+    assert listed.json()["usage"]["prompt_tokens"] == alone.json()["usage"]["prompt_tokens"]
+    assert listed.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("prompt", [["hi", "there"], [[23], [45]]])

@@ -1070,10 +1070,6 @@ static int prefill_run(const Prefill *spans, int count, const int DIMV) {
     return status;
 }
 
-static int prefill_64(const Prefill *s, int count) { return prefill_run(s, count, 4); }
-static int prefill_128(const Prefill *s, int count) { return prefill_run(s, count, 8); }
-static int prefill_any(const Prefill *s, int count) { return prefill_run(s, count, s->dim / 16); }
-
 /* Causal attention of `count` prompt chunks, each of its own sequence: chunk c's queries are
  * rows spans[4c] .. spans[4c] + spans[4c + 1] - 1 of q and out (q_stride and out_stride
  * elements apart, each row [heads, dim]), at positions spans[4c + 2] .. over its keys, its
@@ -1102,9 +1098,7 @@ int paged_prefill_spans(const void *q, int64_t q_stride, const void *k_pool, con
                               span[1], span[2], heads, kv_heads, num_blocks, block_size, dim,
                               amx, scale, q_stride, out_stride};
     }
-    const int status = dim == 64    ? prefill_64(chunks, count)
-                       : dim == 128 ? prefill_128(chunks, count)
-                                    : prefill_any(chunks, count);
+    const int status = prefill_run(chunks, count, dim / 16); /* each tile's DIMV made constant inside */
     free(chunks);
     return status;
 }
