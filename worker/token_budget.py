@@ -24,7 +24,11 @@ waiting, and the engine reports each step's duration.
   (below 80%) grows it by a quarter; within [`MIN_TOKENS`, `prefill_tokens`].
 - The target yields to the prompts where the decodes are a large part of every step (long
   prompts beside long-context decodes): the guard keeps a step's prompt part at least
-  `MIN_PROMPT_TO_DECODES` times its decodes' part. Cutting a backlog into ever smaller steps,
+  `MIN_PROMPT_TO_DECODES` times its decodes' part, taken again at every step over the
+  target: a burst's first tokens join the decodes of every step while its backlog drains,
+  and a guard cut beside its first few decodes would otherwise stay that small (on a CPU
+  without AVX-512, session 41, ~35 tokens beside 17 decodes: a third of every step for the
+  backlog, and its last first token ~25% later). Cutting a backlog into ever smaller steps,
   each also paying for every decode, would stretch every waiting prompt's first token for
   the sake of the streams' next ones; and where the decodes alone take the target, no
   prompt budget meets it. The guard matters most for a backlog's large steps: on this
@@ -108,8 +112,13 @@ class TokenBudget:
         # beside decodes, the whole budget used, the guard's worth of prompt tokens in it
         is_full = num_decodes > 0 and num_tokens >= budget and num_prompt >= self.guard_tokens
         if seconds > target_s:
-            within = _prompt_tokens_within(target_s, num_prompt, seconds - decodes_s, decodes_s)
-            self.guard_tokens = min(self.guard_tokens, within)
+            within, floor = _prompt_tokens_within(
+                target_s, num_prompt, seconds - decodes_s, decodes_s
+            )
+            # cut to the target, but never below the prompts' share beside these decodes
+            # (which grows with them: a guard cut beside a few decodes stays that small
+            # while the backlog's first tokens add to the decodes of every step)
+            self.guard_tokens = min(self.prefill_tokens, max(min(self.guard_tokens, within), floor))
         elif is_full and seconds < GROW_BELOW * target_s:  # well under the target: grow
             grown = max(self.guard_tokens + 1, int(self.guard_tokens * GROWTH))
             self.guard_tokens = min(self.prefill_tokens, grown)
@@ -129,11 +138,12 @@ class TokenBudget:
 
 def _prompt_tokens_within(
     target_s: float, num_prompt: int, prompt_s: float, decodes_s: float
-) -> int:
+) -> tuple[int, int]:
     """The prompt tokens that fit beside `decodes_s` of decodes within `target_s`, when
-    `num_prompt` of them took `prompt_s`; never fewer than take `MIN_PROMPT_TO_DECODES` times
-    the decodes' time (where the decodes alone take the target, no prompt budget meets it:
-    the prompts then keep three quarters of every step)."""
+    `num_prompt` of them took `prompt_s` (at least `MIN_TOKENS`), and the floor: the prompt
+    tokens that take `MIN_PROMPT_TO_DECODES` times the decodes' time (where the decodes alone
+    take the target, no prompt budget meets it: the prompts then keep three quarters of
+    every step)."""
     token_s = prompt_s / num_prompt
     within = (target_s - decodes_s) / token_s
-    return max(MIN_TOKENS, int(within), int(MIN_PROMPT_TO_DECODES * decodes_s / token_s))
+    return max(MIN_TOKENS, int(within)), int(MIN_PROMPT_TO_DECODES * decodes_s / token_s)

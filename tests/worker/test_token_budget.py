@@ -83,6 +83,47 @@ def test_the_prompts_keep_three_quarters_of_a_step_beside_costly_decodes():
     assert alone.for_step(num_decodes=32) == 384  # little prompt work: the steady budget
 
 
+def test_the_prompts_share_grows_with_the_decodes_of_a_backlog():
+    """A burst's backlog on a slow CPU (session 41, AMD Zen 1: a prompt token ~3.7 ms): its
+    first tokens join the decodes of every step, so the decodes' part grows while the
+    backlog drains. A guard cut beside one decode must not stay that small: beside 17
+    decodes the prompts still keep three times the decodes' part (before: it stayed at 35
+    tokens, a third of the step, and the backlog's last first token came ~25% later)."""
+    budget = TokenBudget(384, 2048, itl_target_s=0.15)
+    budget.observe(300, 2048, num_decodes=0, seconds=1.1)  # 3.67 ms a prompt token
+    budget.observe(41, 41, num_decodes=1, seconds=0.19)  # 40 of them: 43 ms left to the decode
+    assert budget.guard_tokens == 35  # three times 43 ms of prompt tokens
+    budget.observe(52, 52, num_decodes=17, seconds=0.25)  # 35 of them: 122 ms of decodes
+    assert budget.guard_tokens == 99  # 3 x 122 ms at 3.67 ms a token, not 35
+    assert budget.for_step(num_decodes=17, waiting_tokens=10_000) == 17 + 99
+
+
+def test_through_the_scheduler_a_backlog_keeps_three_quarters_of_its_steps():
+    """A burst of 32 prompts on a step-time model of a slow CPU (30 ms a step, 3.7 ms a
+    prompt token, 5.2 ms a decode; session 41's AMD Zen 1 host): decodes that alone take the
+    150 ms target once 23 stream. Every backlog step beside 8 or more decodes keeps at least
+    nine tenths of three times the decodes' part for its prompts (a step after a prompt
+    completes has one more decode than the guard was sized for)."""
+    config = SchedulerConfig(
+        max_num_seqs=64, max_num_batched_tokens=384, max_num_prefill_tokens=2048,
+        itl_target_s=0.15,
+    )  # fmt: skip
+    scheduler = Scheduler(config, KVCacheManager(4096, 16), FifoQueue(), LatestArrivalFirst())
+    for i in range(32):
+        scheduler.add(make_sequence(i, num_prompt_tokens=300, max_tokens=1000))
+    shares = []
+    while scheduler._num_prompt_tokens_to_compute():
+        out = scheduler.schedule()
+        num_decodes = len(out.decodes)
+        num_prompt = out.num_batched_tokens - num_decodes
+        seconds = 0.03 + 0.0037 * num_prompt + 0.0052 * num_decodes
+        scheduler.budget.observe(out.num_batched_tokens, out.token_budget, num_decodes, seconds)
+        scheduler.postprocess(out, [65] * sum(chunk.is_sampling for chunk in out.chunks))
+        if num_decodes >= 8 and scheduler._num_prompt_tokens_to_compute():
+            shares.append(0.0037 * (num_prompt + 1) / (0.03 + 0.0052 * num_decodes))
+    assert len(shares) > 10 and min(shares) > 0.9 * MIN_PROMPT_TO_DECODES
+
+
 def test_without_a_step_of_decodes_alone_their_part_is_what_the_prompt_tokens_leave():
     """During a burst's backlog every step beside decodes carries prompt work: their part is
     what the prompt tokens' cost, from the burst's first step (no decodes), leaves."""
