@@ -28,7 +28,7 @@ waiting, and the engine reports each step's duration.
   target: a burst's first tokens join the decodes of every step while its backlog drains,
   and a guard cut beside its first few decodes would otherwise stay that small (on a CPU
   without AVX-512, session 41, ~35 tokens beside 17 decodes: a third of every step for the
-  backlog, and its last first token ~25% later). Cutting a backlog into ever smaller steps,
+  backlog, and its last first token ~28% later). Cutting a backlog into ever smaller steps,
   each also paying for every decode, would stretch every waiting prompt's first token for
   the sake of the streams' next ones; and where the decodes alone take the target, no
   prompt budget meets it. The guard matters most for a backlog's large steps: on this
@@ -115,9 +115,7 @@ class TokenBudget:
             within, floor = _prompt_tokens_within(
                 target_s, num_prompt, seconds - decodes_s, decodes_s
             )
-            # cut to the target, but never below the prompts' share beside these decodes
-            # (which grows with them: a guard cut beside a few decodes stays that small
-            # while the backlog's first tokens add to the decodes of every step)
+            # cut to the target, but never below the floor beside these decodes
             self.guard_tokens = min(self.prefill_tokens, max(min(self.guard_tokens, within), floor))
         elif is_full and seconds < GROW_BELOW * target_s:  # well under the target: grow
             grown = max(self.guard_tokens + 1, int(self.guard_tokens * GROWTH))

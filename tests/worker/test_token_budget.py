@@ -88,7 +88,7 @@ def test_the_prompts_share_grows_with_the_decodes_of_a_backlog():
     first tokens join the decodes of every step, so the decodes' part grows while the
     backlog drains. A guard cut beside one decode must not stay that small: beside 17
     decodes the prompts still keep three times the decodes' part (before: it stayed at 35
-    tokens, a third of the step, and the backlog's last first token came ~25% later)."""
+    tokens, a third of the step, and the backlog's last first token came ~28% later)."""
     budget = TokenBudget(384, 2048, itl_target_s=0.15)
     budget.observe(300, 2048, num_decodes=0, seconds=1.1)  # 3.67 ms a prompt token
     budget.observe(41, 41, num_decodes=1, seconds=0.19)  # 40 of them: 43 ms left to the decode
@@ -113,13 +113,11 @@ def test_through_the_scheduler_a_backlog_keeps_three_quarters_of_its_steps():
         scheduler.add(make_sequence(i, num_prompt_tokens=300, max_tokens=1000))
     shares = []
     while scheduler._num_prompt_tokens_to_compute():
-        out = scheduler.schedule()
-        num_decodes = len(out.decodes)
-        num_prompt = out.num_batched_tokens - num_decodes
-        seconds = 0.03 + 0.0037 * num_prompt + 0.0052 * num_decodes
-        scheduler.budget.observe(out.num_batched_tokens, out.token_budget, num_decodes, seconds)
-        scheduler.postprocess(out, [65] * sum(chunk.is_sampling for chunk in out.chunks))
+        num_decodes, num_prompt, _ = _timed_step(
+            scheduler, lambda decodes, prompt: 0.03 + 0.0052 * decodes + 0.0037 * prompt
+        )
         if num_decodes >= 8 and scheduler._num_prompt_tokens_to_compute():
+            # the prompts' time over the decodes' (the guard is whole tokens: one more)
             shares.append(0.0037 * (num_prompt + 1) / (0.03 + 0.0052 * num_decodes))
     assert len(shares) > 10 and min(shares) > 0.9 * MIN_PROMPT_TO_DECODES
 
@@ -135,6 +133,19 @@ def test_without_a_step_of_decodes_alone_their_part_is_what_the_prompt_tokens_le
     budget.observe(32, 32, num_decodes=32, seconds=0.02)  # decodes alone, measured: 20 ms
     budget.observe(832, 832, num_decodes=32, seconds=0.23)  # 210 ms of prompt
     assert budget.guard_tokens == 685  # 180 ms of 800 tokens at 210/800 ms
+
+
+def _timed_step(scheduler: Scheduler, seconds_of) -> tuple[int, int, float]:
+    """One step through the scheduler, timed by a model, `seconds_of(decodes, prompt
+    tokens)`, and observed by its budget (decodes sample a fixed token): the step's decodes,
+    prompt tokens and seconds."""
+    out = scheduler.schedule()
+    num_decodes = len(out.decodes)
+    num_prompt = out.num_batched_tokens - num_decodes
+    seconds = seconds_of(num_decodes, num_prompt)
+    scheduler.budget.observe(out.num_batched_tokens, out.token_budget, num_decodes, seconds)
+    scheduler.postprocess(out, [65] * sum(chunk.is_sampling for chunk in out.chunks))
+    return num_decodes, num_prompt, seconds
 
 
 def test_a_backlog_beside_decodes_settles_within_the_itl_target():
@@ -157,11 +168,9 @@ def test_a_backlog_beside_decodes_settles_within_the_itl_target():
             scheduler.add(make_sequence(i, num_prompt_tokens=20, max_tokens=1000))
         steps = []
         while True:
-            out = scheduler.schedule()
-            num_decodes = len(out.decodes)
-            seconds = 0.003 + 0.001 * num_decodes + 0.00025 * (out.num_batched_tokens - num_decodes)
-            scheduler.budget.observe(out.num_batched_tokens, out.token_budget, num_decodes, seconds)
-            scheduler.postprocess(out, [65] * sum(chunk.is_sampling for chunk in out.chunks))
+            num_decodes, _, seconds = _timed_step(
+                scheduler, lambda decodes, prompt: 0.003 + 0.001 * decodes + 0.00025 * prompt
+            )
             if len(steps) == 2:  # the 24 decode: the burst of 32 prompts comes
                 for i in range(100, 132):
                     scheduler.add(make_sequence(i, num_prompt_tokens=250, max_tokens=1000))
