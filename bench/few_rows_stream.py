@@ -16,6 +16,9 @@ order, and the figures are per side over the same rounds.
     python -m bench.few_rows_stream --baseline /tmp/base-kernels/*.so --json ...
     # steps of 1-8 sequences, each row count measured as above in turn:
     python -m bench.few_rows_stream --rows 1 --rows 4 --rows 8 --baseline ... --json ...
+    # on a CPU with AMX, AMX's kernel as a side too, over the same weights in its tile layout
+    # (`AMX_FROM_ROWS`, the rows from which a decode step takes it):
+    python -m bench.few_rows_stream --amx --rows 1 --rows 4 --rows 8 --json ...
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from bench import kernel_run, report
 from worker.runner import host_memory
-from worker.runner.cpu_kernels import load
+from worker.runner.cpu_kernels import amx_matmuls_available, load
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # the default model's
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [
@@ -63,6 +66,30 @@ def _matmuls(library: ctypes.CDLL, matrices, x: torch.Tensor, y: torch.Tensor) -
     return time.perf_counter() - started
 
 
+def _packed(library: ctypes.CDLL, matrices) -> tuple[torch.Tensor, list[tuple]]:
+    """The matrices in AMX's tile layout (`amx_pack`), one arena in huge pages, in order."""
+    arena = host_memory.zeros((sum(w.numel() for w in matrices),), torch.bfloat16)
+    packed, start = [], 0
+    for w in matrices:
+        n, k = w.shape
+        view = arena[start : start + n * k]
+        library.amx_pack(w.data_ptr(), view.data_ptr(), n, k)
+        packed.append((view, n, k))
+        start += n * k
+    return arena, packed
+
+
+def _amx_matmuls(library: ctypes.CDLL, packed, x: torch.Tensor, y: torch.Tensor) -> float:
+    started = time.perf_counter()
+    for w, n, k in packed:
+        failed = library.amx_matmul(
+            x.data_ptr(), w.data_ptr(), None, y.data_ptr(), x.shape[0], n, k
+        )
+        if failed:
+            raise RuntimeError(f"amx_matmul failed ({failed})")
+    return time.perf_counter() - started
+
+
 def _plain_read(arena: torch.Tensor) -> float:
     flat = arena.view(torch.float32)  # as the roofline's probe reads (bench/roofline.py)
     started = time.perf_counter()
@@ -70,29 +97,36 @@ def _plain_read(arena: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def measure(rounds: int, baseline: str | None, rows: int = 1) -> dict:
+def measure(rounds: int, baseline: str | None, rows: int = 1, amx: bool = False) -> dict:
     library = load()
     if library is None or not library.few_rows_available():
         raise RuntimeError("the few-row kernel needs a C compiler and a CPU with AVX512-BF16")
+    if amx and not amx_matmuls_available():
+        raise RuntimeError("--amx needs a CPU with AMX (and LLMFLEET_CPU_AMX not 0)")
     sides = {"kernel": library}
     if baseline:
         sides["baseline"] = kernel_run.with_signatures(baseline)
     arena, matrices = _weights()
+    packed = _packed(library, matrices) if amx else None
     num_bytes = arena.numel() * arena.element_size()
     x = (torch.randn(rows, INTER) * 0.5).to(torch.bfloat16)  # each matmul reads [rows, k] of it
     outputs = {name: torch.empty(rows, VOCAB, dtype=torch.bfloat16) for name in sides}
     for name, lib in sides.items():  # warm-up, and the two builds' outputs compared
         _matmuls(lib, matrices, x, outputs[name])
-    _plain_read(arena)
-    names = ["plain read", *sides]
+    y = torch.empty(rows, VOCAB, dtype=torch.bfloat16)
+    runs = {"plain read": lambda: _plain_read(arena)} | {
+        name: lambda lib=lib, out=outputs[name]: _matmuls(lib, matrices, x, out)
+        for name, lib in sides.items()
+    }  # fmt: skip
+    if packed is not None:
+        runs["amx"] = lambda: _amx_matmuls(library, packed[1], x, y)
+    for run in runs.values():
+        run()
+    names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for index in range(rounds):
-        order = names[index % len(names) :] + names[: index % len(names)]
-        for name in order:
-            if name == "plain read":
-                times[name].append(_plain_read(arena))
-            else:
-                times[name].append(_matmuls(sides[name], matrices, x, outputs[name]))
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            times[name].append(runs[name]())
     result: dict = {"rows": rows, "bytes": num_bytes, "rounds": rounds, "sides": {}}
     for name in names:
         rates = [num_bytes / t / 1e9 for t in times[name]]
@@ -109,6 +143,10 @@ def measure(rounds: int, baseline: str | None, rows: int = 1) -> dict:
             b / k for k, b in zip(times["kernel"], times["baseline"], strict=True)
         )
         result["same_bits"] = torch.equal(outputs["kernel"], outputs["baseline"])
+    if packed is not None:  # the AMX side's time over the few-row kernel's, round by round
+        result["amx_over_kernel_median"] = statistics.median(
+            a / k for k, a in zip(times["kernel"], times["amx"], strict=True)
+        )
     return result
 
 
@@ -117,10 +155,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--rows", type=int, action="append", help="rows of x (1-8; repeatable)")
     parser.add_argument("--baseline", help="another build of the kernels (a .so) to compare")
+    parser.add_argument("--amx", action="store_true", help="AMX's kernel as a side too")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    results = [measure(args.rounds, args.baseline, rows) for rows in args.rows or [1]]
+    results = [measure(args.rounds, args.baseline, rows, args.amx) for rows in args.rows or [1]]
     for result in results:
         print(
             f"{result['rows']} rows of x: {result['bytes'] / 1e6:.0f} MB a pass, {args.rounds}"
@@ -132,6 +171,9 @@ def main() -> None:
                 f" {side['median_gb_per_s']:5.1f}  best {side['best_gb_per_s']:5.1f}  (median of"
                 f" the rounds' ratios to the plain read: {side['of_plain_read_median']:.2f})"
             )
+        if args.amx:
+            print(f"AMX's time / the few-row kernel's, median of the rounds: "
+                  f"{result['amx_over_kernel_median']:.3f}")  # fmt: skip
         if args.baseline:
             print(
                 f"kernel / baseline speed, median of the rounds: "

@@ -1,6 +1,6 @@
 """Matmuls over weights packed in AMX's tile layout (`llama._Linear.tiled_weight`). On a CPU
-with AMX every row count takes `csrc/amx_matmul.c`: torch's results bit for bit up to 32 rows,
-within a rounding step past that. On a CPU with AVX512-BF16 but no AMX, the decode layers'
+with AMX every row count from `AMX_FROM_ROWS` takes `csrc/amx_matmul.c` (fewer, the few-row
+kernel): torch's results bit for bit up to 32 rows, within a rounding step past that. On a CPU with AVX512-BF16 but no AMX, the decode layers'
 matmuls of more than 8 rows take `csrc/pair_matmul.c`: within a rounding step of torch's
 results (equal in all but a few elements in 10,000), while the linear itself keeps oneDNN's,
 which are torch's bit for bit. On a CPU with AVX2 alone the linear takes the pair kernel
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tests import tiny_model
 from tests.reference import assert_within_rounding_of_torch, bf16_matmul_case
 from worker.runner import llama
-from worker.runner.cpu_kernels import load
+from worker.runner.cpu_kernels import AMX_FROM_ROWS, load
 from worker.runner.cpu_layer_ops import LayerOps
 
 AMX = llama.amx_matmuls_available()
@@ -41,6 +41,32 @@ def test_tiled_matmuls_are_torchs(rows, n, k, with_bias):
     if AMX and rows <= 32:  # the same tile products in the same order as oneDNN's
         assert torch.equal(got, F.linear(x, weight, bias))
     assert_within_rounding_of_torch(got, x, weight, bias)  # else oneDNN sums otherwise
+
+
+@pytest.mark.skipif(not AMX, reason="an Intel CPU with AMX-BF16")
+def test_with_amx_matmuls_of_a_few_rows_take_the_few_row_kernel(monkeypatch):
+    """A tile product costs as much at 1 row as at 16: below `AMX_FROM_ROWS` rows the linear
+    takes the few-row kernel, which streams the weights faster there, and so does a decode
+    step of as many sequences in C (the Python forward's results, bit for bit:
+    test_cpu_decode.py)."""
+    calls: list[str] = []
+    for name in ("_matmul_few_rows", "_matmul_amx"):
+        kernel = getattr(llama._Linear, name)
+        monkeypatch.setattr(
+            llama._Linear, name, lambda linear, x, kernel=kernel, name=name: (
+                calls.append(name) or kernel(linear, x)
+            ),
+        )  # fmt: skip
+    for rows in range(1, 10):
+        x, weight, bias = bf16_matmul_case(rows, 992, 576, True)
+        calls.clear()
+        got = llama._Linear(weight, bias)(x)
+        assert calls == ["_matmul_few_rows" if rows <= 3 else "_matmul_amx"]
+        assert_within_rounding_of_torch(got, x, weight, bias)
+    loaded = tiny_model.attentive("llama", num_heads=2, num_kv_heads=1)
+    loaded.model.to(torch.bfloat16)
+    decode_layers = llama.LlamaForward(loaded.model).decode_layers
+    assert decode_layers is not None and decode_layers._model.tiled_from == AMX_FROM_ROWS == 4
 
 
 @pytest.mark.skipif(

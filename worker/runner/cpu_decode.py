@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from worker.runner import cpu_attention
-from worker.runner.cpu_kernels import amx_matmuls_available, load
+from worker.runner.cpu_kernels import AMX_FROM_ROWS, amx_matmuls_available, load
 from worker.runner.paged_attention import DecodeGroup
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
@@ -99,7 +99,7 @@ class DecodeLayers:
         self._model = _Model(
             self._weights, len(forward.layers), hidden, inter, forward.num_heads,
             forward.num_kv_heads, forward.head_dim, 0, 0, forward.eps, forward.scaling, tiled,
-            1 if tiled == _TILED_AMX else forward.lm_head.max_few_rows + 1,
+            _tiled_from(forward, tiled),
             forward.embed.data_ptr(), forward.norm.data_ptr(), matrix(forward.lm_head),
             forward.embed.shape[0], self.vocab_size,
         )  # fmt: skip
@@ -121,9 +121,7 @@ class DecodeLayers:
             return None
         if not forward.norm.is_contiguous() or forward.norm.dtype != torch.bfloat16:
             return None
-        linears = [forward.lm_head] + [
-            linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]  # fmt: skip
+        linears = _linears(forward)
         tiled = 0
         if all(linear.tiled_weight is not None for linear in linears):
             tiled = _TILED_AMX if amx_matmuls_available() else _TILED_PAIRS
@@ -218,6 +216,23 @@ class DecodeLayers:
         if self._scratch is None or self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=dtype)
         return self._scratch, self._logits
+
+
+def _linears(forward: Any) -> list[Any]:
+    """The forward's matmuls: the LM head's and every layer's."""
+    return [forward.lm_head] + [
+        linear for layer in forward.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]  # fmt: skip
+
+
+def _tiled_from(forward: Any, tiled: int) -> int:
+    """The rows from which the decode step's matmuls take the tiled kernel (`Model.tiled_from`),
+    as `llama._Linear` chooses: AMX's from `AMX_FROM_ROWS` (from 1 where a layer's weight has
+    no few-row kernel), the pair kernel past the few-row kernel's rows."""
+    if tiled != _TILED_AMX:
+        return forward.lm_head.max_few_rows + 1
+    few = min(linear.max_few_rows for linear in _linears(forward))
+    return AMX_FROM_ROWS if few >= AMX_FROM_ROWS - 1 else 1
 
 
 def _raise_for(status: int) -> None:

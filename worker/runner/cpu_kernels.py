@@ -166,9 +166,18 @@ def load() -> ctypes.CDLL | None:
     return library
 
 
+# On a CPU with AMX, a matmul of fewer rows than this takes the few-row kernel
+# (`csrc/few_rows.c`) where it can, not `csrc/amx_matmul.c`: a tile product costs the same
+# at 1 row as at 16, and at 1-3 rows the few-row kernel streamed the default model's weights
+# at 0.88-0.94 of the plain read where AMX's reached 0.82-0.83; at 4 rows the two were level, at
+# 8 AMX's 1.4x as fast (docs/benchmarks.md, session 42).
+AMX_FROM_ROWS = 4
+
+
 def amx_matmuls_available() -> bool:
-    """Whether bf16 matmuls take `csrc/amx_matmul.c` here: a CPU with AMX that Linux lets us
-    use, the kernels built, and `LLMFLEET_CPU_AMX` not `0`."""
+    """Whether bf16 matmuls take `csrc/amx_matmul.c` here (from `AMX_FROM_ROWS` rows where the
+    few-row kernel can take the weight): a CPU with AMX that Linux lets us use, the kernels
+    built, and `LLMFLEET_CPU_AMX` not `0`."""
     if os.environ.get("LLMFLEET_CPU_AMX", "1") == "0":
         return False
     library = load()

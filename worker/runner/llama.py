@@ -26,6 +26,7 @@ from torch import nn
 from worker.runner import host_memory
 from worker.runner.cpu_decode import DecodeLayers
 from worker.runner.cpu_kernels import (
+    AMX_FROM_ROWS,
     amx_matmuls_available,
     load,
     pair_matmuls_available,
@@ -47,10 +48,10 @@ class _Linear:
 
     Where our tiled kernels run, the weight is also packed in AMX's tile layout
     (`tiled_weight`). On a CPU with AMX it replaces oneDNN's (the same memory) and every bf16
-    matmul takes `csrc/amx_matmul.c`, which streams the weights faster than either at any
-    decode step's rows (1 row: 8.3 against 8.7 ms for all the layers, 8 rows: 8.4 against
-    12.9, 32 rows: 10.1 against oneDNN's 15.5), bit for bit oneDNN's up to 32 rows (session
-    28). On a CPU with AVX512-BF16 but no AMX, decode steps of more than 8 sequences take
+    matmul of `AMX_FROM_ROWS` rows or more takes `csrc/amx_matmul.c`, which streams the
+    weights faster than either there (8 rows: 8.4 against 12.9 ms for all the layers, 32 rows:
+    10.1 against oneDNN's 15.5; session 28), bit for bit oneDNN's up to 32 rows. Fewer rows
+    take the few-row kernel: a tile product costs as much at 1 row as at 16 (session 42). On a CPU with AVX512-BF16 but no AMX, decode steps of more than 8 sequences take
     `csrc/pair_matmul.c` over it in `decode_layers.c` (the layers' shapes at 16-32 rows:
     830-980 GFLOP/s against oneDNN's 430-840; session 29), while prompts keep oneDNN, whose sums the kernel's
     differ from by a rounding step in a few elements in 10,000: the prompts' logits stay
@@ -79,7 +80,7 @@ class _Linear:
         self.max_few_rows = self._few_rows.few_rows_available() if self._few_rows else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._amx and x.shape[0] > 0:
+        if self._takes_amx(x.shape[0]):
             return self._matmul_amx(x)
         if 0 < x.shape[0] <= self.max_few_rows:
             return self._matmul_few_rows(x)
@@ -88,6 +89,12 @@ class _Linear:
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def _takes_amx(self, rows: int) -> bool:
+        """Whether a matmul of `rows` rows takes AMX's kernel: on a CPU with AMX, from
+        `AMX_FROM_ROWS` rows, or from 1 where the few-row kernel cannot take the weight."""
+        few = 0 < rows < AMX_FROM_ROWS and rows <= self.max_few_rows
+        return self._amx and rows > 0 and not few
 
     def _matmul_few_rows(self, x: torch.Tensor) -> torch.Tensor:
         assert self._few_rows is not None  # max_few_rows is 0 without it
@@ -102,7 +109,7 @@ class _Linear:
         """`silu(gate) * up` of x through this fused gate-up projection ([gate | up]): on a
         CPU with AMX in the matmul's own pass (`amx_matmul_silu`, bit for bit the two steps,
         without writing the projection's output), else the matmul, then `ops.silu_mul`."""
-        if self._amx and self.bias is None and self.weight.shape[0] % 64 == 0 and len(x):
+        if self._takes_amx(len(x)) and self.bias is None and self.weight.shape[0] % 64 == 0:
             library = load()
             assert self.tiled_weight is not None and library is not None
             inter, k = self.weight.shape[0] // 2, self.weight.shape[1]

@@ -1,5 +1,6 @@
 /* `y = x @ w.T + bias` for a bf16 matmul of any rows in AMX tiles, on Intel CPUs with AMX-BF16
- * (every bf16 matmul there, the decode steps' in `decode_layers.c` too): x [rows, k], w as
+ * (every bf16 matmul there from 4 rows, the decode steps' in `decode_layers.c` too; at 1-3 rows
+ * the few-row kernel streams the weights faster, `cpu_kernels.AMX_FROM_ROWS`): x [rows, k], w as
  * `amx_pack` lays it out, bias [n] or NULL, y [rows, n]; fp32 sums over k in order, rounded
  * to bf16 once, as torch's matmul does (bit for bit oneDNN's at up to 32 rows, the same
  * instruction in the same order; past that oneDNN blocks k otherwise).

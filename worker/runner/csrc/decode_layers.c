@@ -8,9 +8,9 @@
  * ran with caches the step's weights had just swept, at about 0.15 ms a step (session 33).
  *
  * The kernels are this library's own, called in the order `_fused_forward` calls them, so
- * the results are that forward's bit for bit: the matmuls (`few_rows.c`; where `Model.tiled` is
- * set, `amx_matmul.c` or, past 8 rows, `pair_matmul.c` over the weights in AMX's tile
- * layout), RoPE and the pool
+ * the results are that forward's bit for bit: the matmuls (`few_rows.c`; from `Model.tiled_from`
+ * rows where `Model.tiled` is set, `amx_matmul.c` (from 4 rows) or `pair_matmul.c` (past 8) over
+ * the weights in AMX's tile layout), RoPE and the pool
  * writes, the residual adds and norms, SiLU (`layer_ops.c`), and the attention over the
  * paged pool (`paged_attention.c`), one call per group of decodes. bf16 only. */
 #include <stdint.h>
