@@ -51,7 +51,8 @@ class _Linear:
     matmul of `AMX_FROM_ROWS` rows or more takes `csrc/amx_matmul.c`, which streams the
     weights faster than either there (8 rows: 8.4 against 12.9 ms for all the layers, 32 rows:
     10.1 against oneDNN's 15.5; session 28), bit for bit oneDNN's up to 32 rows. Fewer rows
-    take the few-row kernel: a tile product costs as much at 1 row as at 16 (session 42). On a CPU with AVX512-BF16 but no AMX, decode steps of more than 8 sequences take
+    take the few-row kernel: a tile product costs as much at 1 row as at 16 (session 42). On
+    a CPU with AVX512-BF16 but no AMX, decode steps of more than 8 sequences take
     `csrc/pair_matmul.c` over it in `decode_layers.c` (the layers' shapes at 16-32 rows:
     830-980 GFLOP/s against oneDNN's 430-840; session 29), while prompts keep oneDNN, whose sums the kernel's
     differ from by a rounding step in a few elements in 10,000: the prompts' logits stay
