@@ -17,8 +17,9 @@ order, and the figures are per side over the same rounds.
     # steps of 1-8 sequences, each row count measured as above in turn:
     python -m bench.few_rows_stream --rows 1 --rows 4 --rows 8 --baseline ... --json ...
     # on a CPU with AMX, AMX's kernel as a side too, over the same weights in its tile layout
-    # (`AMX_FROM_ROWS`, the rows from which a decode step takes it):
-    python -m bench.few_rows_stream --amx --rows 1 --rows 4 --rows 8 --json ...
+    # (`AMX_FROM_ROWS`, the rows from which a decode step takes it), and with --baseline the
+    # baseline's AMX kernel as well:
+    python -m bench.few_rows_stream --amx --rows 1 --rows 4 --rows 8 [--baseline ...] --json ...
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def measure(rounds: int, baseline: str | None, rows: int = 1, amx: bool = False)
     }  # fmt: skip
     if packed is not None:
         runs["amx"] = lambda: _amx_matmuls(library, packed[1], x, y)
+        if baseline:  # the baseline's AMX kernel over the same packed weights
+            runs["amx baseline"] = lambda: _amx_matmuls(sides["baseline"], packed[1], x, y)
     for run in runs.values():
         run()
     names = list(runs)
@@ -147,6 +150,10 @@ def measure(rounds: int, baseline: str | None, rows: int = 1, amx: bool = False)
         result["amx_over_kernel_median"] = statistics.median(
             a / k for k, a in zip(times["kernel"], times["amx"], strict=True)
         )
+        if baseline:
+            result["amx_over_amx_baseline_median"] = statistics.median(
+                a / b for a, b in zip(times["amx"], times["amx baseline"], strict=True)
+            )
     return result
 
 
@@ -174,6 +181,9 @@ def main() -> None:
         if args.amx:
             print(f"AMX's time / the few-row kernel's, median of the rounds: "
                   f"{result['amx_over_kernel_median']:.3f}")  # fmt: skip
+        if args.amx and args.baseline:
+            print(f"AMX's time / the baseline's AMX time, median of the rounds: "
+                  f"{result['amx_over_amx_baseline_median']:.3f}")  # fmt: skip
         if args.baseline:
             print(
                 f"kernel / baseline speed, median of the rounds: "

@@ -170,7 +170,9 @@ def load() -> ctypes.CDLL | None:
 # (`csrc/few_rows.c`) where it can, not `csrc/amx_matmul.c`: a tile product costs the same
 # at 1 row as at 16, and at 1-3 rows the few-row kernel streamed the default model's weights
 # at 0.88-0.94 of the plain read where AMX's reached 0.82-0.83; at 4 rows the two were level, at
-# 8 AMX's 1.4x as fast (docs/benchmarks.md, session 42).
+# 8 AMX's 1.4x as fast (docs/benchmarks.md, session 42). With AMX's weights asked for 1 KB
+# ahead instead of 4 (the same session) the two kernels were level at 1-3 rows (AMX's time
+# 1.00-1.03x the few-row kernel's) and AMX's ahead from 4 rows.
 AMX_FROM_ROWS = 4
 
 
