@@ -59,7 +59,7 @@ void amx_pack(const uint16_t *w, uint16_t *packed, int n, int k) {
  * a decode step's rows 1 KB, at a prompt's 4 KB. On an Intel host (session 42) the default
  * model's weights streamed at 0.86-0.99 of the plain read at 1-8 rows with the lines asked for
  * 1 KB ahead, against 0.83-0.88 at 4 KB (session 28's distance), and whole decode steps of
- * 4-32 sequences were 0.3-5% faster (docs/benchmarks.md). */
+ * 4, 8 and 32 sequences were 0.8-5% faster (docs/benchmarks.md). */
 #define AMX_AHEAD_DECODE 1024
 #define AMX_AHEAD_PROMPT 4096
 
