@@ -1,11 +1,11 @@
 """Matmuls over weights packed in AMX's tile layout (`llama._Linear.tiled_weight`). On a CPU
 with AMX every row count from `AMX_FROM_ROWS` takes `csrc/amx_matmul.c` (fewer, the few-row
-kernel): torch's results bit for bit up to 32 rows, within a rounding step past that. On a CPU with AVX512-BF16 but no AMX, the decode layers'
-matmuls of more than 8 rows take `csrc/pair_matmul.c`: within a rounding step of torch's
-results (equal in all but a few elements in 10,000), while the linear itself keeps oneDNN's,
-which are torch's bit for bit. On a CPU with AVX2 alone the linear takes the pair kernel
-too, past 8 rows (oneDNN emulates bf16 there). Torch's own matmul wherever neither can take
-the weight."""
+kernel): torch's results bit for bit up to 32 rows, within a rounding step past that. On a
+CPU with AVX512-BF16 but no AMX, the decode layers' matmuls of more than 8 rows take
+`csrc/pair_matmul.c`: within a rounding step of torch's results (equal in all but a few
+elements in 10,000), while the linear itself keeps oneDNN's, which are torch's bit for bit.
+On a CPU with AVX2 alone the linear takes the pair kernel too, past 8 rows (oneDNN emulates
+bf16 there). Torch's own matmul wherever neither can take the weight."""
 
 from __future__ import annotations
 

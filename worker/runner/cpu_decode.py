@@ -226,13 +226,14 @@ def _linears(forward: Any) -> list[Any]:
 
 
 def _tiled_from(forward: Any, tiled: int) -> int:
-    """The rows from which the decode step's matmuls take the tiled kernel (`Model.tiled_from`),
-    as `llama._Linear` chooses: AMX's from `AMX_FROM_ROWS` (from 1 where a layer's weight has
-    no few-row kernel), the pair kernel past the few-row kernel's rows."""
+    """The rows from which the decode step's matmuls take the tiled kernel (`Model.tiled_from`):
+    AMX's from the fewest rows at which every linear takes it (`llama._Linear.takes_amx`), the
+    pair kernel past the few-row kernel's rows."""
     if tiled != _TILED_AMX:
         return forward.lm_head.max_few_rows + 1
-    few = min(linear.max_few_rows for linear in _linears(forward))
-    return AMX_FROM_ROWS if few >= AMX_FROM_ROWS - 1 else 1
+    linears = _linears(forward)
+    fewer = (rows for rows in range(1, AMX_FROM_ROWS) if all(w.takes_amx(rows) for w in linears))
+    return next(fewer, AMX_FROM_ROWS)
 
 
 def _raise_for(status: int) -> None:

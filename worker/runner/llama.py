@@ -81,7 +81,7 @@ class _Linear:
         self.max_few_rows = self._few_rows.few_rows_available() if self._few_rows else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._takes_amx(x.shape[0]):
+        if self.takes_amx(x.shape[0]):
             return self._matmul_amx(x)
         if 0 < x.shape[0] <= self.max_few_rows:
             return self._matmul_few_rows(x)
@@ -91,9 +91,10 @@ class _Linear:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
-    def _takes_amx(self, rows: int) -> bool:
+    def takes_amx(self, rows: int) -> bool:
         """Whether a matmul of `rows` rows takes AMX's kernel: on a CPU with AMX, from
-        `AMX_FROM_ROWS` rows, or from 1 where the few-row kernel cannot take the weight."""
+        `AMX_FROM_ROWS` rows, or from 1 where the few-row kernel cannot take the weight (the
+        decode step's C call chooses by it too: `cpu_decode`'s `Model.tiled_from`)."""
         few = 0 < rows < AMX_FROM_ROWS and rows <= self.max_few_rows
         return self._amx and rows > 0 and not few
 
@@ -110,7 +111,7 @@ class _Linear:
         """`silu(gate) * up` of x through this fused gate-up projection ([gate | up]): on a
         CPU with AMX in the matmul's own pass (`amx_matmul_silu`, bit for bit the two steps,
         without writing the projection's output), else the matmul, then `ops.silu_mul`."""
-        if self._takes_amx(len(x)) and self.bias is None and self.weight.shape[0] % 64 == 0:
+        if self.takes_amx(len(x)) and self.bias is None and self.weight.shape[0] % 64 == 0:
             library = load()
             assert self.tiled_weight is not None and library is not None
             inter, k = self.weight.shape[0] // 2, self.weight.shape[1]
