@@ -52,16 +52,23 @@ def test_the_kernels_are_built_for_the_cpus_kind(monkeypatch, vendor, family, de
     assert cpu_kernels.cpu_defines() == defines
 
 
-def test_both_builds_of_the_few_row_kernel_are_torchs(monkeypatch, tmp_path):
-    """This CPU's build is tested above; the other one (2-7 rows of x one row of w at a time,
-    or in groups of rows of w) is built here, so that each is checked on any AVX512-BF16
-    host."""
-    other = () if cpu_kernels.cpu_defines() else ("-DFEW_ROWS_ONE_STREAM",)
-    monkeypatch.setattr(cpu_kernels, "cpu_defines", lambda: other)
+@pytest.mark.parametrize(
+    "defines",
+    [
+        ("-DSTREAMS=1",),  # Intel: one place a thread, 2-7 rows of x in groups of rows of w
+        ("-DSTREAMS=2",),  # AMD Zen 4: two places a thread
+        ("-DSTREAMS=2", "-DFEW_ROWS_ONE_STREAM"),  # Zen 5: 2-7 rows of x one row of w at a time
+    ],
+)
+def test_every_build_of_the_few_row_kernel_is_torchs(monkeypatch, tmp_path, defines):
+    """This CPU's build is tested above; each CPU kind's is built here, so that every one is
+    checked on any AVX512-BF16 host. Weights of 1 and 3 rows leave a thread's run an odd row
+    or none for its second place."""
+    monkeypatch.setattr(cpu_kernels, "cpu_defines", lambda: defines)
     monkeypatch.setenv("LLMFLEET_KERNEL_CACHE", str(tmp_path))
     library = kernel_run.with_signatures(str(cpu_kernels._build(cpu_kernels._compiler())))
     for rows in range(1, 9):
-        for n, k in [(37, 96), (1000, 576)]:
+        for n, k in [(1, 64), (3, 96), (37, 96), (1000, 576)]:
             x, weight, bias = bf16_matmul_case(rows, n, k, with_bias=True)
             y = torch.empty(rows, n, dtype=torch.bfloat16)
             assert (

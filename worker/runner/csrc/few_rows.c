@@ -5,9 +5,10 @@
  * With so few rows the matmul reads each weight once and does almost no arithmetic with it:
  * its time is the time to stream the weights from memory. Each thread takes a contiguous run
  * of w's rows and reads it front to back (at one row of x, and at eight, one row of w at a
- * time: a single sequential stream per thread, which the hardware prefetcher follows at full
- * rate; at 2-7 rows of x, two or four rows of w side by side, so that each load of x serves
- * them all), and dots it with the few rows of x, which stay in L1. oneDNN's matmul at one
+ * time: a single sequential stream per thread, which the hardware prefetcher follows, or on
+ * AMD Zen two, the run's halves side by side (`STREAMS`); at 2-7 rows of x, two or four rows
+ * of w side by side, so that each load of x serves them all), and dots it with the few rows
+ * of x, which stay in L1. oneDNN's matmul at one
  * row read the same weights at about half that rate here (docs/benchmarks.md, "Few-row
  * matmuls"). k is a multiple of 32 (checked by the caller).
  *
@@ -46,15 +47,29 @@ static inline float bias_value(const uint16_t *bias, int j) { /* bias[j] as fp32
 
 int few_rows_available(void) { return MAX_ROWS; }
 
-/* On an Intel Xeon 3-4 KB ahead streamed fastest of 0.5-4 KB (T1: into L2; T0 was slower, NTA
- * half as fast; session 26). On an AMD EPYC (Zen 4, which GCC 12's -march=native calls znver3)
- * 2 KB ahead read a batch-1 step's weights 3% faster than 3 KB (the median of seven runs,
- * from 2% slower to 8% faster, the gains where its memory was fast), 4-6 KB 4-7% slower
- * (`bench/few_rows_stream.py`, session 33). */
 #if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
-#define PREFETCH_AHEAD 2048
+#define ZEN 1 /* AMD Zen 3-5: GCC 12's -march=native calls Zen 4 and Zen 5 znver3 */
 #else
-#define PREFETCH_AHEAD 3072
+#define ZEN 0
+#endif
+
+/* On an Intel Xeon 3-4 KB ahead streamed fastest of 0.5-4 KB (T1: into L2; T0 was slower, NTA
+ * half as fast; session 26). On an AMD EPYC (Zen 4) 2 KB ahead read a batch-1 step's weights
+ * 3% faster than 3 KB (the median of seven runs, from 2% slower to 8% faster, the gains where
+ * its memory was fast), 4-6 KB 4-7% slower (`bench/few_rows_stream.py`, session 33). */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD (ZEN ? 2048 : 3072)
+#endif
+
+/* How many places of its run of w's rows each thread reads at once, one row from each at a
+ * time (`dot_rows`). On an AMD EPYC (Zen 4) one core kept too few lines in flight from a
+ * single stream to take its share of the memory where the memory was fast: a batch-1 step's
+ * matmuls read at 0.62-0.80 of the plain read there in one stream a thread, and at 0.97-1.05
+ * in two (0.89-0.91 and 0.93-0.95 where it was slow); two also took 2 and 8 rows of x from
+ * 0.59-0.82 and 0.35-0.59 of the plain read to 0.68-0.93 and 0.50-0.80 (docs/benchmarks.md,
+ * session 43). Intel keeps one, not measured with two. */
+#ifndef STREAMS
+#define STREAMS (ZEN ? 2 : 1)
 #endif
 
 /* 2-7 rows of x take dot_groups (J rows of w side by side, each load of x serving them all)
@@ -84,46 +99,65 @@ static inline __m512bh load_pairs(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512(p);
 }
 
-/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8; 1-8 with FEW_ROWS_ONE_STREAM),
- * one row of w at a time. Four sums a row of x up to 4 rows, so that the dot-product
- * instructions of one weight row do not wait on each other (at one row, with two, the weights
- * streamed at 66-70 GB/s where the host gave 76-78, and at 72 with four); one a row from 5,
- * where the rows alone keep them independent. */
+/* Rows j and, where P is 2, j + apart of w against the `ROWS` rows of x, side by side in one
+ * pass over k. Four sums a (row of x, row of w) while ROWS * STREAMS <= 4, two up to 4 rows of
+ * x, one from 5, so that the dot-product instructions of one weight row do not wait on each
+ * other (at one row, with two, the weights streamed at 66-70 GB/s where the host gave 76-78,
+ * and at 72 with four) and at most 16 sums take registers. S follows the build, not P, so a
+ * row's sums are the same whether it is read in a pair or alone. */
+static inline __attribute__((always_inline)) void dot_row(const uint16_t *x, const uint16_t *w,
+                                                          const uint16_t *bias, uint16_t *y,
+                                                          const int ROWS, const int P, int n,
+                                                          int k, int j, int apart) {
+    const int S = ROWS * STREAMS <= 4 ? 4 : ROWS <= 4 ? 2 : 1; /* sums a (row of x, row of w) */
+    const uint16_t *wp[2] = {w + (int64_t)j * k, w + (int64_t)(j + apart) * k};
+    __m512 sum[MAX_ROWS][2][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int p = 0; p < P; p++)
+            for (int a = 0; a < S; a++) sum[r][p][a] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 128 <= k; i += 128)
+        for (int a = 0; a < 4; a++)
+            for (int p = 0; p < P; p++) {
+                const __m512bh wa = load_pairs_ahead(wp[p] + i + 32 * a);
+                for (int r = 0; r < ROWS; r++)
+                    sum[r][p][a % S] = _mm512_dpbf16_ps(sum[r][p][a % S], wa,
+                                                        load_pairs(x + (int64_t)r * k + i + 32 * a));
+            }
+    /* the last 32-96 of the row, each into the sum it went to before (a % S): a loop of
+     * three, unrolled, so that every sum's index is a constant. With a running index GCC
+     * kept the sums on the stack, a store and a load around each dot product: a batch-1
+     * step's matmuls read 0.59 of what a plain read of the same weights did where an AMD
+     * EPYC host's memory was fast, 0.70 without (1.00-1.07x where it was slow;
+     * `bench/few_rows_stream.py`, docs/benchmarks.md, session 33). */
+    for (int a = 0; a < 3 && i + 32 * a < k; a++)
+        for (int p = 0; p < P; p++) {
+            const __m512bh wa = load_pairs_ahead(wp[p] + i + 32 * a);
+            for (int r = 0; r < ROWS; r++)
+                sum[r][p][a % S] = _mm512_dpbf16_ps(sum[r][p][a % S], wa,
+                                                    load_pairs(x + (int64_t)r * k + i + 32 * a));
+        }
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < ROWS; r++) {
+            __m512 total = sum[r][p][0];
+            if (S == 4)
+                total = _mm512_add_ps(_mm512_add_ps(total, sum[r][p][1]),
+                                      _mm512_add_ps(sum[r][p][2], sum[r][p][3]));
+            else if (S == 2)
+                total = _mm512_add_ps(total, sum[r][p][1]);
+            y[(int64_t)r * n + j + p * apart] =
+                to_bf16(_mm512_reduce_add_ps(total) + bias_value(bias, j + p * apart));
+        }
+}
+
+/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8, and 2 with STREAMS 2; 1-8 with
+ * FEW_ROWS_ONE_STREAM): one row of w at a time, or, with STREAMS 2, a row from each half of
+ * the run at a time, the odd row last. */
 static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                             uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
-    for (int j = n0; j < n1; j++) {
-        const uint16_t *wj = w + (int64_t)j * k;
-        const int S = ROWS <= 4 ? 4 : 1; /* sums a row of x */
-        __m512 sum[MAX_ROWS][4];
-        for (int r = 0; r < ROWS; r++)
-            for (int a = 0; a < S; a++) sum[r][a] = _mm512_setzero_ps();
-        int i = 0;
-        for (; i + 128 <= k; i += 128)
-            for (int a = 0; a < 4; a++) {
-                const __m512bh wa = load_pairs_ahead(wj + i + 32 * a);
-                for (int r = 0; r < ROWS; r++)
-                    sum[r][a % S] = _mm512_dpbf16_ps(sum[r][a % S], wa,
-                                                     load_pairs(x + (int64_t)r * k + i + 32 * a));
-            }
-        /* the last 32-96 of the row, each into the sum it went to before (a % S): a loop of
-         * three, unrolled, so that every sum's index is a constant. With a running index GCC
-         * kept the sums on the stack, a store and a load around each dot product: a batch-1
-         * step's matmuls read 0.59 of what a plain read of the same weights did where an AMD
-         * EPYC host's memory was fast, 0.70 without (1.00-1.07x where it was slow;
-         * `bench/few_rows_stream.py`, docs/benchmarks.md, session 33). */
-        for (int a = 0; a < 3 && i + 32 * a < k; a++) {
-            const __m512bh wa = load_pairs_ahead(wj + i + 32 * a);
-            for (int r = 0; r < ROWS; r++)
-                sum[r][a % S] = _mm512_dpbf16_ps(sum[r][a % S], wa,
-                                                 load_pairs(x + (int64_t)r * k + i + 32 * a));
-        }
-        for (int r = 0; r < ROWS; r++) {
-            const __m512 total = S == 1 ? sum[r][0]
-                                        : _mm512_add_ps(_mm512_add_ps(sum[r][0], sum[r][1]),
-                                                        _mm512_add_ps(sum[r][2], sum[r][3]));
-            y[(int64_t)r * n + j] = to_bf16(_mm512_reduce_add_ps(total) + bias_value(bias, j));
-        }
-    }
+    const int half = STREAMS == 2 ? (n1 - n0) / 2 : 0;
+    for (int j = n0; j < n0 + half; j++) dot_row(x, w, bias, y, ROWS, 2, n, k, j, half);
+    for (int j = n0 + 2 * half; j < n1; j++) dot_row(x, w, bias, y, ROWS, 1, n, k, j, 0);
 }
 
 /* The same with J rows of w at a time (2-7 rows of x): each 32 values of a row of x are
@@ -194,7 +228,10 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         const int n0 = t * per < n ? t * per : n, n1 = n0 + per < n ? n0 + per : n;
         switch (rows) { /* a constant row count, so the loops over x's rows unroll */
         case 1: dot_rows(x, w, bias, y, 1, n, k, n0, n1); break;
-        case 2: DOT_FEW(2); break;
+        case 2: /* with two streams, one row of w a stream at a time read faster than groups */
+            if (STREAMS == 2) dot_rows(x, w, bias, y, 2, n, k, n0, n1);
+            else DOT_FEW(2);
+            break;
         case 3: DOT_FEW(3); break;
         case 4: DOT_FEW(4); break;
         case 5: DOT_FEW(5); break;
