@@ -41,7 +41,8 @@ def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):
     ("vendor", "family", "defines"),
     [
         ("AuthenticAMD", "26", ("-DFEW_ROWS_ONE_STREAM",)),  # Zen 5: full-width AVX-512
-        ("AuthenticAMD", "25", ()),  # Zen 3-4: Zen 4 runs 512-bit dot products in halves
+        ("AuthenticAMD", "25", ("-DSTREAMS=2",)),  # Zen 3-4: two places a thread (Zen 4)
+        ("AuthenticAMD", "23", ()),  # Zen 1-2: AVX2 only
         ("GenuineIntel", "6", ()),  # not measured there: the grouped kernel
         (None, None, ()),  # /proc/cpuinfo unread
     ],
@@ -55,9 +56,9 @@ def test_the_kernels_are_built_for_the_cpus_kind(monkeypatch, vendor, family, de
 @pytest.mark.parametrize(
     "defines",
     [
-        ("-DSTREAMS=1",),  # Intel: one place a thread, 2-7 rows of x in groups of rows of w
+        (),  # Intel: one place a thread, 2-7 rows of x in groups of rows of w
         ("-DSTREAMS=2",),  # AMD Zen 4: two places a thread
-        ("-DSTREAMS=2", "-DFEW_ROWS_ONE_STREAM"),  # Zen 5: 2-7 rows of x one row of w at a time
+        ("-DFEW_ROWS_ONE_STREAM",),  # Zen 5: 2-7 rows of x one row of w at a time
     ],
 )
 def test_every_build_of_the_few_row_kernel_is_torchs(monkeypatch, tmp_path, defines):

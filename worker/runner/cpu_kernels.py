@@ -98,16 +98,22 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_defines() -> tuple[str, ...]:
     """The kernels' build-time choices for this CPU that `-march=native` does not make (GCC 12
-    calls an AMD Zen 4 and a Zen 5 both znver3): `FEW_ROWS_ONE_STREAM` where a 512-bit dot
-    product runs at full width, on AMD from family 0x1A (Zen 5) on (`csrc/few_rows.c`; the
-    server parts, measured; Zen 5's laptop parts run AVX-512 in halves, as Zen 4 does, and are
-    not told apart here). Intel's AVX-512 units are full width too, but the choice is not
-    measured there yet: they keep the grouped kernel."""
+    calls an AMD Zen 4 and a Zen 5 both znver3), in `csrc/few_rows.c`:
+    - `FEW_ROWS_ONE_STREAM` where a 512-bit dot product runs at full width, on AMD from family
+      0x1A (Zen 5) on (the server parts, measured; Zen 5's laptop parts run AVX-512 in halves,
+      as Zen 4 does, and are not told apart here). Intel's AVX-512 units are full width too,
+      but the choice is not measured there yet: they keep the grouped kernel.
+    - `STREAMS=2` on AMD family 0x19 (Zen 4 with AVX512-BF16; Zen 3, of the same family, takes
+      the AVX2 kernel, which does not read it): each thread reads its rows of the weight in
+      two places at once, where one stream a core left the memory idle. Measured on Zen 4
+      only (session 43)."""
     info = _cpuinfo()
     family = info.get("cpu family", "")
-    if info.get("vendor_id") == "AuthenticAMD" and family.isdigit() and int(family) >= 0x1A:
+    if info.get("vendor_id") != "AuthenticAMD" or not family.isdigit():
+        return ()
+    if int(family) >= 0x1A:
         return ("-DFEW_ROWS_ONE_STREAM",)
-    return ()
+    return ("-DSTREAMS=2",) if int(family) == 0x19 else ()
 
 
 def _cache_dir() -> Path:

@@ -47,29 +47,27 @@ static inline float bias_value(const uint16_t *bias, int j) { /* bias[j] as fp32
 
 int few_rows_available(void) { return MAX_ROWS; }
 
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
-#define ZEN 1 /* AMD Zen 3-5: GCC 12's -march=native calls Zen 4 and Zen 5 znver3 */
-#else
-#define ZEN 0
-#endif
-
 /* On an Intel Xeon 3-4 KB ahead streamed fastest of 0.5-4 KB (T1: into L2; T0 was slower, NTA
- * half as fast; session 26). On an AMD EPYC (Zen 4) 2 KB ahead read a batch-1 step's weights
- * 3% faster than 3 KB (the median of seven runs, from 2% slower to 8% faster, the gains where
- * its memory was fast), 4-6 KB 4-7% slower (`bench/few_rows_stream.py`, session 33). */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD (ZEN ? 2048 : 3072)
+ * half as fast; session 26). On an AMD EPYC (Zen 4, which GCC 12's -march=native calls znver3)
+ * 2 KB ahead read a batch-1 step's weights 3% faster than 3 KB (the median of seven runs,
+ * from 2% slower to 8% faster, the gains where its memory was fast), 4-6 KB 4-7% slower
+ * (`bench/few_rows_stream.py`, session 33). */
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define PREFETCH_AHEAD 2048
+#else
+#define PREFETCH_AHEAD 3072
 #endif
 
-/* How many places of its run of w's rows each thread reads at once, one row from each at a
- * time (`dot_rows`). On an AMD EPYC (Zen 4) one core kept too few lines in flight from a
- * single stream to take its share of the memory where the memory was fast: a batch-1 step's
- * matmuls read at 0.62-0.80 of the plain read there in one stream a thread, and at 0.97-1.05
- * in two (0.89-0.91 and 0.93-0.95 where it was slow); two also took 2 and 8 rows of x from
- * 0.59-0.82 and 0.35-0.59 of the plain read to 0.68-0.93 and 0.50-0.80 (docs/benchmarks.md,
- * session 43). Intel keeps one, not measured with two. */
+/* How many places of its run of w's rows each thread reads at once, a row from each at a time
+ * (`dot_rows`): 1 unless the build defines STREAMS 2 (`cpu_kernels.py`: AMD Zen 4). There one
+ * core kept too few lines in flight from a single stream to take its share of the memory
+ * where the memory was fast: a batch-1 step's matmuls read at 0.76-0.80 of the plain read
+ * in one stream a thread and at 0.85-0.97 in two (0.91-0.92 and 0.94-0.95 where it was
+ * slow), and two took 2 and 8 rows of x from 0.62-0.82 and 0.54-0.58 of the plain read to
+ * 0.67-0.91 and 0.75-0.78 (docs/benchmarks.md, session 43). Intel and Zen 5 keep one, not
+ * measured with two. */
 #ifndef STREAMS
-#define STREAMS (ZEN ? 2 : 1)
+#define STREAMS 1
 #endif
 
 /* 2-7 rows of x take dot_groups (J rows of w side by side, each load of x serving them all)
