@@ -61,11 +61,11 @@ int few_rows_available(void) { return MAX_ROWS; }
 /* How many places of its run of w's rows each thread reads at once, a row from each at a time
  * (`dot_rows`): 1 unless the build defines STREAMS 2 (`cpu_kernels.py`: AMD Zen 4). There one
  * core kept too few lines in flight from a single stream to take its share of the memory
- * where the memory was fast: a batch-1 step's matmuls read at 0.76-0.80 of the plain read
- * in one stream a thread and at 0.85-0.97 in two (0.91-0.92 and 0.94-0.95 where it was
- * slow), and two took 2 and 8 rows of x from 0.62-0.82 and 0.54-0.58 of the plain read to
- * 0.67-0.91 and 0.75-0.78 (docs/benchmarks.md, session 43). Intel and Zen 5 keep one, not
- * measured with two. */
+ * where the memory was fast: a batch-1 step's matmuls read at 0.76 of the plain read in one
+ * stream a thread and at 0.85 in two (0.91-0.93 and 0.94-0.95 where it was slow), and two
+ * took 2 and 8 rows of x from 0.62-0.83 and 0.54-0.58 of the plain read to 0.67-0.92 and
+ * 0.75-0.78 (`bench/few_rows_stream.py`, docs/benchmarks.md, session 43). Intel and Zen 5
+ * keep one, not measured with two. */
 #ifndef STREAMS
 #define STREAMS 1
 #endif
