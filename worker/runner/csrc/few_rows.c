@@ -6,11 +6,11 @@
  * its time is the time to stream the weights from memory. Each thread takes a contiguous run
  * of w's rows and reads it front to back (at one row of x, and at eight, one row of w at a
  * time: a single sequential stream per thread, which the hardware prefetcher follows, or on
- * AMD Zen two, the run's halves side by side (`STREAMS`); at 2-7 rows of x, two or four rows
- * of w side by side, so that each load of x serves them all), and dots it with the few rows
- * of x, which stay in L1. oneDNN's matmul at one
- * row read the same weights at about half that rate here (docs/benchmarks.md, "Few-row
- * matmuls"). k is a multiple of 32 (checked by the caller).
+ * AMD Zen 4 two, the run's halves side by side, `STREAMS`; at 2-7 rows of x, two or four
+ * rows of w side by side, so that each load of x serves them all), and dots it with the few
+ * rows of x, which stay in L1. oneDNN's matmul at one row read the same weights at about half
+ * that rate here (docs/benchmarks.md, "Few-row matmuls"). k is a multiple of 32 (checked by
+ * the caller).
  *
  * Each 64-byte line of w is asked for ahead of its use, into L2: on an Intel Xeon (Sapphire
  * Rapids class) the hardware prefetcher alone streamed a layer's weights at 25-28 GB/s, and
