@@ -53,32 +53,65 @@ def test_the_kernels_are_built_for_the_cpus_kind(monkeypatch, vendor, family, de
     assert cpu_kernels.cpu_defines() == defines
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One cache for the builds below: a build of the same defines is made once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+def _build_with(monkeypatch, cache, defines: tuple[str, ...]):
+    monkeypatch.setattr(cpu_kernels, "cpu_defines", lambda: defines)
+    monkeypatch.setenv("LLMFLEET_KERNEL_CACHE", str(cache))
+    return kernel_run.with_signatures(str(cpu_kernels._build(cpu_kernels._compiler())))
+
+
+def _few_rows(library, x, weight, bias) -> torch.Tensor:
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    rows, k = x.shape
+    assert library.matmul_few_rows(
+        x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, weight.shape[0], k
+    ) == 0  # fmt: skip
+    return y
+
+
+_INTEL, _ZEN4, _ZEN5 = (), ("-DSTREAMS=2",), ("-DFEW_ROWS_ONE_STREAM",)
+
+
 @pytest.mark.parametrize(
     "defines",
     [
-        (),  # Intel: one place a thread, 2-7 rows of x in groups of rows of w
-        ("-DSTREAMS=2",),  # AMD Zen 4: two places a thread
-        ("-DFEW_ROWS_ONE_STREAM",),  # Zen 5: 2-7 rows of x one row of w at a time
+        _INTEL,  # one place a thread, 2-7 rows of x in groups of rows of w
+        _ZEN4,  # two places a thread
+        _ZEN5,  # 2-7 rows of x one row of w at a time
     ],
 )
-def test_every_build_of_the_few_row_kernel_is_torchs(monkeypatch, tmp_path, defines):
+def test_every_build_of_the_few_row_kernel_is_torchs(monkeypatch, kernel_cache, defines):
     """This CPU's build is tested above; each CPU kind's is built here, so that every one is
     checked on any AVX512-BF16 host. Weights of 1 and 3 rows leave a thread's run an odd row
     or none for its second place."""
-    monkeypatch.setattr(cpu_kernels, "cpu_defines", lambda: defines)
-    monkeypatch.setenv("LLMFLEET_KERNEL_CACHE", str(tmp_path))
-    library = kernel_run.with_signatures(str(cpu_kernels._build(cpu_kernels._compiler())))
+    library = _build_with(monkeypatch, kernel_cache, defines)
     for rows in range(1, 9):
         for n, k in [(1, 64), (3, 96), (37, 96), (1000, 576)]:
             x, weight, bias = bf16_matmul_case(rows, n, k, with_bias=True)
-            y = torch.empty(rows, n, dtype=torch.bfloat16)
-            assert (
-                library.matmul_few_rows(
-                    x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n, k
-                )
-                == 0
-            )
-            assert_within_rounding_of_torch(y, x, weight, bias)
+            assert_within_rounding_of_torch(_few_rows(library, x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_two_places_a_thread_sum_as_one(monkeypatch, kernel_cache, rows):
+    """At 1 and 8 rows of x, reading a thread's rows of w in two places changes only the order
+    of the reads: each output's sums are those of the one-place kernel, bit for bit, the odd
+    row read alone included. Each row of w is a half of terms of 2^-12 to 2^12 and its
+    negation against the same half of x: the exact sum is the bias, and what fp32 leaves of
+    the cancelled terms depends on the order they were added in."""
+    one, two = (_build_with(monkeypatch, kernel_cache, d) for d in (_INTEL, _ZEN4))
+    generator = torch.Generator().manual_seed(rows)
+    for n, k in [(3, 96), (1001, 576), (577, 1536)]:
+        x, weight, bias = bf16_matmul_case(rows, n, k, with_bias=True)
+        scale = torch.pow(2.0, torch.randint(-12, 13, (n, k // 2), generator=generator).float())
+        half = (weight[:, : k // 2].float() * scale).to(torch.bfloat16)
+        weight = torch.cat([half, -half], dim=1)
+        x = torch.cat([x[:, : k // 2], x[:, : k // 2]], dim=1)
+        assert torch.equal(_few_rows(two, x, weight, bias), _few_rows(one, x, weight, bias))
 
 
 def test_more_rows_and_other_weights_take_torchs_matmul():
