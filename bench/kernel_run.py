@@ -16,10 +16,17 @@ from worker.runner.cpu_kernels import cpu_flags
 
 
 def header() -> dict:
+    library = cpu_kernels.load()
     return {
         "created_at": datetime.now(UTC).isoformat(),
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
         "cpu_defines": list(cpu_kernels.cpu_defines()),  # the kernels' build-time choices
+        # and the one made at load: places a thread at 1, 2 and 8 rows of x (`choose_streams`)
+        "few_rows_streams": {
+            rows: library.few_rows_streams(rows, 0) for rows in cpu_kernels.STREAM_ROWS
+        }
+        if library is not None
+        else {},
         "threads": torch.get_num_threads(),
     }
 

@@ -41,7 +41,7 @@ def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):
     ("vendor", "family", "defines"),
     [
         ("AuthenticAMD", "26", ("-DFEW_ROWS_ONE_STREAM",)),  # Zen 5: full-width AVX-512
-        ("AuthenticAMD", "25", ("-DSTREAMS=2",)),  # Zen 3-4: two places a thread (Zen 4)
+        ("AuthenticAMD", "25", ()),  # Zen 3-4: places a thread chosen at load (Zen 4)
         ("AuthenticAMD", "23", ()),  # Zen 1-2: AVX2 only
         ("GenuineIntel", "6", ()),  # not measured there: the grouped kernel
         (None, None, ()),  # /proc/cpuinfo unread
@@ -74,22 +74,38 @@ def _few_rows(library, x, weight, bias) -> torch.Tensor:
     return y
 
 
-_INTEL, _ZEN4, _ZEN5 = (), ("-DSTREAMS=2",), ("-DFEW_ROWS_ONE_STREAM",)
+@pytest.fixture
+def streams():
+    """Sets the process's few-row kernel to read one place a thread or two at 1, 2 and 8 rows
+    of x (`few_rows_streams`), and puts back what load chose."""
+    chosen = {rows: _library.few_rows_streams(rows, 0) for rows in cpu_kernels.STREAM_ROWS}
+
+    def use(library, places: int) -> None:
+        for rows in cpu_kernels.STREAM_ROWS:
+            library.few_rows_streams(rows, places)
+
+    yield use
+    for rows, places in chosen.items():
+        _library.few_rows_streams(rows, places)
 
 
 @pytest.mark.parametrize(
     "defines",
     [
-        _INTEL,  # one place a thread, 2-7 rows of x in groups of rows of w
-        _ZEN4,  # two places a thread
-        _ZEN5,  # 2-7 rows of x one row of w at a time
+        (),  # Intel's and Zen 4's: 2-7 rows of x in groups of rows of w
+        ("-DFEW_ROWS_ONE_STREAM",),  # Zen 5's: 2-7 rows of x one row of w at a time
     ],
 )
-def test_every_build_of_the_few_row_kernel_is_torchs(monkeypatch, kernel_cache, defines):
+@pytest.mark.parametrize("places", [1, 2])
+def test_every_build_of_the_few_row_kernel_is_torchs(
+    monkeypatch, kernel_cache, streams, defines, places
+):
     """This CPU's build is tested above; each CPU kind's is built here, so that every one is
-    checked on any AVX512-BF16 host. Weights of 1 and 3 rows leave a thread's run an odd row
-    or none for its second place."""
+    checked on any AVX512-BF16 host, in one place a thread and in two. Weights of 1 and 3 rows
+    leave a thread's run an odd row or none for its second place."""
     library = _build_with(monkeypatch, kernel_cache, defines)
+    streams(library, places)
+    assert library.few_rows_streams(1, 0) == library.few_rows_streams(8, 0) == places
     for rows in range(1, 9):
         for n, k in [(1, 64), (3, 96), (37, 96), (1000, 576)]:
             x, weight, bias = bf16_matmul_case(rows, n, k, with_bias=True)
@@ -97,13 +113,12 @@ def test_every_build_of_the_few_row_kernel_is_torchs(monkeypatch, kernel_cache, 
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-def test_two_places_a_thread_sum_as_one(monkeypatch, kernel_cache, rows):
+def test_two_places_a_thread_sum_as_one(streams, rows):
     """At 1 and 8 rows of x, reading a thread's rows of w in two places changes only the order
     of the reads: each output's sums are those of the one-place kernel, bit for bit, the odd
     row read alone included. Each row of w is a half of terms of 2^-12 to 2^12 and its
     negation against the same half of x: the exact sum is the bias, and what fp32 leaves of
     the cancelled terms depends on the order they were added in."""
-    one, two = (_build_with(monkeypatch, kernel_cache, d) for d in (_INTEL, _ZEN4))
     generator = torch.Generator().manual_seed(rows)
     for n, k in [(3, 96), (1001, 576), (577, 1536)]:
         x, weight, bias = bf16_matmul_case(rows, n, k, with_bias=True)
@@ -111,7 +126,33 @@ def test_two_places_a_thread_sum_as_one(monkeypatch, kernel_cache, rows):
         half = (weight[:, : k // 2].float() * scale).to(torch.bfloat16)
         weight = torch.cat([half, -half], dim=1)
         x = torch.cat([x[:, : k // 2], x[:, : k // 2]], dim=1)
-        assert torch.equal(_few_rows(two, x, weight, bias), _few_rows(one, x, weight, bias))
+        outputs = []
+        for places in (1, 2):
+            streams(_library, places)
+            outputs.append(_few_rows(_library, x, weight, bias))
+        assert torch.equal(*outputs)
+
+
+def test_the_places_a_thread_are_set_or_measured(monkeypatch, streams):
+    monkeypatch.setenv("LLMFLEET_CPU_STREAMS", "2")
+    assert cpu_kernels.choose_streams(_library) == {1: 2, 2: 2, 8: 2}
+    assert [_library.few_rows_streams(rows, 0) for rows in (1, 2, 8)] == [2, 2, 2]
+    monkeypatch.setenv("LLMFLEET_CPU_STREAMS", "auto")
+    chosen = cpu_kernels.choose_streams(_library)
+    assert chosen.keys() == {1, 2, 8} and set(chosen.values()) <= {1, 2}
+    assert [_library.few_rows_streams(rows, 0) for rows in (1, 2, 8)] == list(chosen.values())
+    assert _library.few_rows_streams(3, 2) == 1 and _library.few_rows_streams(3, 0) == 1
+
+
+@pytest.mark.parametrize(
+    ("two_over_one", "places"),
+    [(0.80, 2), (0.94, 2), (0.97, 1), (1.0, 1), (1.10, 1)],  # the margin: 1.05 faster
+)
+def test_two_places_are_taken_only_where_clearly_faster(two_over_one, places):
+    one = [1.0, 1.2, 0.9, 1.1, 1.0]  # paired rounds: the memory's rate moves between them
+    two = [t * two_over_one for t in one]
+    two[0] *= 2.0  # one round disturbed: the median holds
+    assert cpu_kernels._faster_streams(one, two) == places
 
 
 def test_more_rows_and_other_weights_take_torchs_matmul():

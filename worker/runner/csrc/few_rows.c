@@ -5,8 +5,9 @@
  * With so few rows the matmul reads each weight once and does almost no arithmetic with it:
  * its time is the time to stream the weights from memory. Each thread takes a contiguous run
  * of w's rows and reads it front to back (at one row of x, and at eight, one row of w at a
- * time: a single sequential stream per thread, which the hardware prefetcher follows, or on
- * AMD Zen 4 two, the run's halves side by side, `STREAMS`; at 2-7 rows of x, two or four
+ * time: a single sequential stream per thread, which the hardware prefetcher follows, or, where
+ * the host reads faster so, two, the run's halves side by side, `few_rows_streams`; at 2-7
+ * rows of x, two or four
  * rows of w side by side, so that each load of x serves them all), and dots it with the few
  * rows of x, which stay in L1. oneDNN's matmul at one row read the same weights at about half
  * that rate here (docs/benchmarks.md, "Few-row matmuls"). k is a multiple of 32 (checked by
@@ -59,16 +60,25 @@ int few_rows_available(void) { return MAX_ROWS; }
 #endif
 
 /* How many places of its run of w's rows each thread reads at once, a row from each at a time
- * (`dot_rows`): 1 unless the build defines STREAMS 2 (`cpu_kernels.py`: AMD Zen 4). There one
- * core kept too few lines in flight from a single stream to take its share of the memory
- * where the memory was fast: a batch-1 step's matmuls read at 0.76 of the plain read in one
- * stream a thread and at 0.85 in two (0.91-0.93 and 0.94-0.95 where it was slow), and two
- * took 2 and 8 rows of x from 0.62-0.83 and 0.54-0.58 of the plain read to 0.67-0.92 and
- * 0.75-0.78 (`bench/few_rows_stream.py`, docs/benchmarks.md, session 43). Intel and Zen 5
- * keep one, not measured with two. */
-#ifndef STREAMS
-#define STREAMS 1
-#endif
+ * (`dot_rows`), at 1, 2 and 8 rows of x: 1 until `few_rows_streams` sets 2, as the runner
+ * does where a measurement at load shows two the faster here (`cpu_kernels.choose_streams`).
+ * Where one core kept too few lines in flight from a single stream (an AMD EPYC Zen 4 host,
+ * session 43), a batch-1 step's matmuls read at 0.76 of the plain read in one stream a thread
+ * and at 0.85 in two where the memory was fast, and two took 2 and 8 rows of x from
+ * 0.62-0.83 and 0.54-0.58 of the plain read to 0.67-0.92 and 0.75-0.78; on another host of
+ * the same CPU model (session 44) two read 8-15% slower than one where the memory was fast
+ * (`bench/few_rows_stream.py`, docs/benchmarks.md). */
+static int streams_at[MAX_ROWS + 1] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+/* Sets how many places each thread reads at `rows` rows of x (1, 2 or 8; 1 or 2 places; any
+ * other value leaves it) and returns what it was. */
+int few_rows_streams(int rows, int streams) {
+    if (rows < 1 || rows > MAX_ROWS) return 0;
+    const int was = streams_at[rows];
+    if ((rows == 1 || rows == 2 || rows == 8) && (streams == 1 || streams == 2))
+        streams_at[rows] = streams;
+    return was;
+}
 
 /* 2-7 rows of x take dot_groups (J rows of w side by side, each load of x serving them all)
  * unless FEW_ROWS_ONE_STREAM is defined: then dot_rows, one row of w at a time, as at 1 and 8.
@@ -98,16 +108,16 @@ static inline __m512bh load_pairs(const uint16_t *p) {
 }
 
 /* Rows j and, where P is 2, j + apart of w against the `ROWS` rows of x, side by side in one
- * pass over k. Four sums a (row of x, row of w) while ROWS * STREAMS <= 4, two up to 4 rows of
- * x, one from 5, so that the dot-product instructions of one weight row do not wait on each
- * other (at one row, with two, the weights streamed at 66-70 GB/s where the host gave 76-78,
- * and at 72 with four) and at most 16 sums take registers. S follows the build, not P, so a
- * row's sums are the same whether it is read in a pair or alone. */
+ * pass over k. Four sums a (row of x, row of w) up to 4 rows of x, one from 5, so that the
+ * dot-product instructions of one weight row do not wait on each other (at one row, with two,
+ * the weights streamed at 66-70 GB/s where the host gave 76-78, and at 72 with four) and at
+ * most 16 sums take registers (P 2 is read at 1, 2 and 8 rows). S follows the rows, not P,
+ * so a row's sums are the same whether it is read in a pair or alone. */
 static inline __attribute__((always_inline)) void dot_row(const uint16_t *x, const uint16_t *w,
                                                           const uint16_t *bias, uint16_t *y,
                                                           const int ROWS, const int P, int n,
                                                           int k, int j, int apart) {
-    const int S = ROWS * STREAMS <= 4 ? 4 : ROWS <= 4 ? 2 : 1; /* sums a (row of x, row of w) */
+    const int S = ROWS <= 4 ? 4 : 1; /* sums a (row of x, row of w) */
     const uint16_t *wp[2] = {w + (int64_t)j * k, w + (int64_t)(j + apart) * k};
     __m512 sum[MAX_ROWS][2][4];
     for (int r = 0; r < ROWS; r++)
@@ -148,12 +158,12 @@ static inline __attribute__((always_inline)) void dot_row(const uint16_t *x, con
         }
 }
 
-/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8, and 2 with STREAMS 2; 1-8 with
- * FEW_ROWS_ONE_STREAM): one row of w at a time, or, with STREAMS 2, a row from each half of
+/* w's rows n0 .. n1 - 1 against the `ROWS` rows of x (1 or 8, and 2 in two places; 1-8 with
+ * FEW_ROWS_ONE_STREAM): one row of w at a time, or, in two places, a row from each half of
  * the run at a time, the odd row last. */
 static inline void dot_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
                             uint16_t *y, const int ROWS, int n, int k, int n0, int n1) {
-    const int half = STREAMS == 2 ? (n1 - n0) / 2 : 0;
+    const int half = streams_at[ROWS] == 2 ? (n1 - n0) / 2 : 0;
     for (int j = n0; j < n0 + half; j++) dot_row(x, w, bias, y, ROWS, 2, n, k, j, half);
     for (int j = n0 + 2 * half; j < n1; j++) dot_row(x, w, bias, y, ROWS, 1, n, k, j, 0);
 }
@@ -227,7 +237,7 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
         switch (rows) { /* a constant row count, so the loops over x's rows unroll */
         case 1: dot_rows(x, w, bias, y, 1, n, k, n0, n1); break;
         case 2: /* with two streams, one row of w a stream at a time read faster than groups */
-            if (STREAMS == 2) dot_rows(x, w, bias, y, 2, n, k, n0, n1);
+            if (streams_at[2] == 2) dot_rows(x, w, bias, y, 2, n, k, n0, n1);
             else DOT_FEW(2);
             break;
         case 3: DOT_FEW(3); break;
@@ -252,6 +262,8 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 #include <stdlib.h>
 
 int few_rows_available(void) { return MAX_ROWS; }
+
+int few_rows_streams(int rows, int streams) { return 1; } /* one stream a thread here */
 
 #define PREFETCH_AHEAD 2048 /* each line of w asked for this far ahead, into L2 */
 
@@ -330,6 +342,7 @@ int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, 
 }
 #else
 int few_rows_available(void) { return 0; }
+int few_rows_streams(int rows, int streams) { return 1; }
 int matmul_few_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                     int rows, int n, int k) {
     return -3; /* not built for this CPU: the caller takes torch's matmul */
