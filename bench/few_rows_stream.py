@@ -16,6 +16,9 @@ order, and the figures are per side over the same rounds.
     python -m bench.few_rows_stream --baseline /tmp/base-kernels/*.so --json ...
     # steps of 1-8 sequences, each row count measured as above in turn:
     python -m bench.few_rows_stream --rows 1 --rows 4 --rows 8 --baseline ... --json ...
+    # this build reading each thread's rows of w in one place and in two, as sides
+    # (`few_rows_streams`; the runner chooses between them at load, `choose_streams`):
+    python -m bench.few_rows_stream --places --rows 1 --rows 2 --rows 8 --json ...
     # on a CPU with AMX, AMX's kernel as a side too, over the same weights in its tile layout
     # (`AMX_FROM_ROWS`, the rows from which a decode step takes it), and with --baseline the
     # baseline's AMX kernel as well:
@@ -98,7 +101,17 @@ def _plain_read(arena: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def measure(rounds: int, baseline: str | None, rows: int = 1, amx: bool = False) -> dict:
+def _in_places(library: ctypes.CDLL, rows: int, places: int, matrices, x, y) -> float:
+    was = library.few_rows_streams(rows, places)
+    try:
+        return _matmuls(library, matrices, x, y)
+    finally:
+        library.few_rows_streams(rows, was)
+
+
+def measure(
+    rounds: int, baseline: str | None, rows: int = 1, amx: bool = False, places: bool = False
+) -> dict:
     library = load()
     if library is None or not library.few_rows_available():
         raise RuntimeError("the few-row kernel needs a C compiler and a CPU with AVX512-BF16")
@@ -119,6 +132,13 @@ def measure(rounds: int, baseline: str | None, rows: int = 1, amx: bool = False)
         name: lambda lib=lib, out=outputs[name]: _matmuls(lib, matrices, x, out)
         for name, lib in sides.items()
     }  # fmt: skip
+    if places:  # this build's kernel in one place a thread and in two, in place of "kernel"
+        del runs["kernel"]
+        for name, count in (("one place", 1), ("two places", 2)):
+            outputs[name] = torch.empty(rows, VOCAB, dtype=torch.bfloat16)
+            runs[name] = lambda n=count, out=outputs[name]: _in_places(
+                library, rows, n, matrices, x, out
+            )
     if packed is not None:
         runs["amx"] = lambda: _amx_matmuls(library, packed[1], x, y)
         if baseline:  # the baseline's AMX kernel over the same packed weights
@@ -141,6 +161,11 @@ def measure(rounds: int, baseline: str | None, rows: int = 1, amx: bool = False)
                 p / t for p, t in zip(times["plain read"], times[name], strict=True)
             ),
         }
+    if places:
+        result["two_places_over_one_median"] = statistics.median(
+            o / t for o, t in zip(times["one place"], times["two places"], strict=True)
+        )
+        result["same_bits"] = torch.equal(outputs["one place"], outputs["two places"])
     if baseline:
         result["kernel_over_baseline_median"] = statistics.median(
             b / k for k, b in zip(times["kernel"], times["baseline"], strict=True)
@@ -163,10 +188,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, action="append", help="rows of x (1-8; repeatable)")
     parser.add_argument("--baseline", help="another build of the kernels (a .so) to compare")
     parser.add_argument("--amx", action="store_true", help="AMX's kernel as a side too")
+    parser.add_argument(
+        "--places", action="store_true", help="the kernel in one place a thread and in two"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.places and (args.baseline or args.amx):
+        parser.error("--places compares this build with itself: not with --baseline or --amx")
     torch.set_grad_enabled(False)
-    results = [measure(args.rounds, args.baseline, rows, args.amx) for rows in args.rows or [1]]
+    results = [
+        measure(args.rounds, args.baseline, rows, args.amx, args.places)
+        for rows in args.rows or [1]
+    ]
     for result in results:
         print(
             f"{result['rows']} rows of x: {result['bytes'] / 1e6:.0f} MB a pass, {args.rounds}"
@@ -184,6 +217,11 @@ def main() -> None:
         if args.amx and args.baseline:
             print(f"AMX's time / the baseline's AMX time, median of the rounds: "
                   f"{result['amx_over_amx_baseline_median']:.3f}")  # fmt: skip
+        if args.places:
+            print(
+                f"two places / one place speed, median of the rounds: "
+                f"{result['two_places_over_one_median']:.3f}; same bits: {result['same_bits']}"
+            )
         if args.baseline:
             print(
                 f"kernel / baseline speed, median of the rounds: "
