@@ -181,15 +181,15 @@ STREAM_ROWS = (1, 2, 8)
 TWO_STREAMS_MARGIN = 1.05
 _STREAMS_PROBE_BYTES = 96 << 20  # three times an AMD EPYC's L3: the reads come from memory
 _STREAMS_PROBE_SHAPE = (3072, 576)  # the default model's gate-up projection
-_STREAMS_PROBE_ROUNDS = 5
+_STREAMS_PROBE_ROUNDS = 11
 
 
 def choose_streams(library: ctypes.CDLL) -> dict[int, int]:
     """Sets, at each of `STREAM_ROWS`, whether the few-row kernel reads each thread's rows of
     w in one place or two, and returns the choice. `LLMFLEET_CPU_STREAMS=1` or `2` sets it;
     otherwise (`auto`) it is measured here: matmuls over 96 MB of weights in huge pages, each
-    side in turn for five rounds, two taken where its median time is `TWO_STREAMS_MARGIN`
-    times faster (about 0.15 s). Measured, not set by the CPU's kind: on two AMD EPYC Zen 4
+    side in turn for 11 rounds, two taken where its median time is `TWO_STREAMS_MARGIN`
+    times faster (about 0.3 s). Measured, not set by the CPU's kind: on two AMD EPYC Zen 4
     hosts of the same model, two places read a batch-1 step's weights 13% faster on one
     (session 43) and 8-15% slower on the other (session 44) where the memory was fast."""
     if not library.few_rows_available():
