@@ -17,7 +17,7 @@ order, and the figures are per side over the same rounds.
     # steps of 1-8 sequences, each row count measured as above in turn:
     python -m bench.few_rows_stream --rows 1 --rows 4 --rows 8 --baseline ... --json ...
     # this build reading each thread's rows of w in one place and in two, as sides
-    # (`few_rows_streams`; the runner chooses between them at load, `choose_streams`):
+    # (`few_rows_streams`; `LLMFLEET_CPU_STREAMS` sets the runner's, `set_streams`):
     python -m bench.few_rows_stream --places --rows 1 --rows 2 --rows 8 --json ...
     # on a CPU with AMX, AMX's kernel as a side too, over the same weights in its tile layout
     # (`AMX_FROM_ROWS`, the rows from which a decode step takes it), and with --baseline the

@@ -21,7 +21,7 @@ def header() -> dict:
         "created_at": datetime.now(UTC).isoformat(),
         "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16"))),
         "cpu_defines": list(cpu_kernels.cpu_defines()),  # the kernels' build-time choices
-        # and the one made at load: places a thread at 1, 2 and 8 rows of x (`choose_streams`)
+        # and the places a thread at 1, 2 and 8 rows of x in use (`set_streams`)
         "few_rows_streams": {
             rows: library.few_rows_streams(rows, 0) for rows in cpu_kernels.STREAM_ROWS
         }

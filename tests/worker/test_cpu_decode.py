@@ -41,7 +41,7 @@ def test_few_row_matmuls_are_torchs(rows, n, k, with_bias):
     ("vendor", "family", "defines"),
     [
         ("AuthenticAMD", "26", ("-DFEW_ROWS_ONE_STREAM",)),  # Zen 5: full-width AVX-512
-        ("AuthenticAMD", "25", ()),  # Zen 3-4: places a thread chosen at load (Zen 4)
+        ("AuthenticAMD", "25", ("-DSTREAMS=2",)),  # Zen 3-4: two places a thread (Zen 4)
         ("AuthenticAMD", "23", ()),  # Zen 1-2: AVX2 only
         ("GenuineIntel", "6", ()),  # not measured there: the grouped kernel
         (None, None, ()),  # /proc/cpuinfo unread
@@ -76,8 +76,8 @@ def _few_rows(library, x, weight, bias) -> torch.Tensor:
 
 @pytest.fixture
 def streams():
-    """Sets the process's few-row kernel to read one place a thread or two at 1, 2 and 8 rows
-    of x (`few_rows_streams`), and puts back what load chose."""
+    """Sets a build of the few-row kernel to read one place a thread or two at 1, 2 and 8 rows
+    of x (`few_rows_streams`), and puts back the process's own build's places."""
     chosen = {rows: _library.few_rows_streams(rows, 0) for rows in cpu_kernels.STREAM_ROWS}
 
     def use(library, places: int) -> None:
@@ -89,11 +89,25 @@ def streams():
         _library.few_rows_streams(rows, places)
 
 
+_INTEL, _ZEN4, _ZEN5 = (), ("-DSTREAMS=2",), ("-DFEW_ROWS_ONE_STREAM",)
+
+
+@pytest.mark.parametrize(("defines", "places"), [(_INTEL, 1), (_ZEN4, 2), (_ZEN5, 1)])
+def test_each_build_reads_its_places_until_told_otherwise(
+    monkeypatch, kernel_cache, defines, places
+):
+    library = _build_with(monkeypatch, kernel_cache, defines)
+    assert [library.few_rows_streams(rows, 0) for rows in range(1, 9)] == [
+        places if rows in cpu_kernels.STREAM_ROWS else 1 for rows in range(1, 9)
+    ]
+
+
 @pytest.mark.parametrize(
     "defines",
     [
-        (),  # Intel's and Zen 4's: 2-7 rows of x in groups of rows of w
-        ("-DFEW_ROWS_ONE_STREAM",),  # Zen 5's: 2-7 rows of x one row of w at a time
+        _INTEL,  # 2-7 rows of x in groups of rows of w
+        _ZEN4,  # the same, two places a thread at 1, 2 and 8 rows until set otherwise
+        _ZEN5,  # 2-7 rows of x one row of w at a time
     ],
 )
 @pytest.mark.parametrize("places", [1, 2])
@@ -133,26 +147,14 @@ def test_two_places_a_thread_sum_as_one(streams, rows):
         assert torch.equal(*outputs)
 
 
-def test_the_places_a_thread_are_set_or_measured(monkeypatch, streams):
-    monkeypatch.setenv("LLMFLEET_CPU_STREAMS", "2")
-    assert cpu_kernels.choose_streams(_library) == {1: 2, 2: 2, 8: 2}
-    assert [_library.few_rows_streams(rows, 0) for rows in (1, 2, 8)] == [2, 2, 2]
-    monkeypatch.setenv("LLMFLEET_CPU_STREAMS", "auto")
-    chosen = cpu_kernels.choose_streams(_library)
-    assert chosen.keys() == {1, 2, 8} and set(chosen.values()) <= {1, 2}
-    assert [_library.few_rows_streams(rows, 0) for rows in (1, 2, 8)] == list(chosen.values())
+@pytest.mark.parametrize(("setting", "places"), [("1", 1), ("2", 2), ("3", None), ("", None)])
+def test_an_operator_sets_the_places_a_thread(monkeypatch, streams, setting, places):
+    built = cpu_kernels.set_streams(_library)  # this build's own, as no setting leaves it
+    monkeypatch.setenv("LLMFLEET_CPU_STREAMS", setting)
+    expected = built if places is None else dict.fromkeys(cpu_kernels.STREAM_ROWS, places)
+    assert cpu_kernels.set_streams(_library) == expected
+    assert {rows: _library.few_rows_streams(rows, 0) for rows in (1, 2, 8)} == expected
     assert _library.few_rows_streams(3, 2) == 1 and _library.few_rows_streams(3, 0) == 1
-
-
-@pytest.mark.parametrize(
-    ("two_over_one", "places"),
-    [(0.80, 2), (0.94, 2), (0.97, 1), (1.0, 1), (1.10, 1)],  # the margin: 1.05 faster
-)
-def test_two_places_are_taken_only_where_clearly_faster(two_over_one, places):
-    one = [1.0, 1.2, 0.9, 1.1, 1.0]  # paired rounds: the memory's rate moves between them
-    two = [t * two_over_one for t in one]
-    two[0] *= 2.0  # one round disturbed: the median holds
-    assert cpu_kernels._faster_streams(one, two) == places
 
 
 def test_more_rows_and_other_weights_take_torchs_matmul():

@@ -31,12 +31,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
-
-import torch
-
-from worker.runner import host_memory
 
 log = logging.getLogger("llmfleet.worker")
 
@@ -104,18 +99,22 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_defines() -> tuple[str, ...]:
     """The kernels' build-time choices for this CPU that `-march=native` does not make (GCC 12
-    calls an AMD Zen 4 and a Zen 5 both znver3), in `csrc/few_rows.c`: `FEW_ROWS_ONE_STREAM`
-    where a 512-bit dot product runs at full width, on AMD from family 0x1A (Zen 5) on (the
-    server parts, measured; Zen 5's laptop parts run AVX-512 in halves, as Zen 4 does, and
-    are not told apart here). Intel's AVX-512 units are full width too, but the choice is not
-    measured there yet: they keep the grouped kernel. (Whether each thread reads its rows in
-    one place or two is chosen when the kernels are loaded, `choose_streams`: two hosts of
-    one CPU model wanted different ones.)"""
+    calls an AMD Zen 4 and a Zen 5 both znver3), in `csrc/few_rows.c`:
+    - `FEW_ROWS_ONE_STREAM` where a 512-bit dot product runs at full width, on AMD from family
+      0x1A (Zen 5) on (the server parts, measured; Zen 5's laptop parts run AVX-512 in halves,
+      as Zen 4 does, and are not told apart here). Intel's AVX-512 units are full width too,
+      but the choice is not measured there yet: they keep the grouped kernel.
+    - `STREAMS=2` on AMD family 0x19 (Zen 4 with AVX512-BF16; Zen 3, of the same family, takes
+      the AVX2 kernel, which does not read it): each thread reads its rows of the weight in
+      two places at once, where one stream a core left the memory idle. Measured on Zen 4
+      only (sessions 43-44); `LLMFLEET_CPU_STREAMS` sets it at load (`set_streams`)."""
     info = _cpuinfo()
     family = info.get("cpu family", "")
     if info.get("vendor_id") != "AuthenticAMD" or not family.isdigit():
         return ()
-    return ("-DFEW_ROWS_ONE_STREAM",) if int(family) >= 0x1A else ()
+    if int(family) >= 0x1A:
+        return ("-DFEW_ROWS_ONE_STREAM",)
+    return ("-DSTREAMS=2",) if int(family) == 0x19 else ()
 
 
 def _cache_dir() -> Path:
@@ -171,72 +170,30 @@ def load() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
-    choose_streams(library)
+    set_streams(library)
     return library
 
 
 # The rows of x at which the few-row kernel can read a thread's rows of w in two places
-# (`csrc/few_rows.c`, `few_rows_streams`), and how much faster two must be to be taken.
+# (`csrc/few_rows.c`, `few_rows_streams`).
 STREAM_ROWS = (1, 2, 8)
-TWO_STREAMS_MARGIN = 1.05
-_STREAMS_PROBE_BYTES = 96 << 20  # three times an AMD EPYC's L3: the reads come from memory
-_STREAMS_PROBE_SHAPE = (3072, 576)  # the default model's gate-up projection
-_STREAMS_PROBE_ROUNDS = 11
 
 
-def choose_streams(library: ctypes.CDLL) -> dict[int, int]:
-    """Sets, at each of `STREAM_ROWS`, whether the few-row kernel reads each thread's rows of
-    w in one place or two, and returns the choice. `LLMFLEET_CPU_STREAMS=1` or `2` sets it;
-    otherwise (`auto`) it is measured here: matmuls over 96 MB of weights in huge pages, each
-    side in turn for 11 rounds, two taken where its median time is `TWO_STREAMS_MARGIN`
-    times faster (about 0.3 s). Measured, not set by the CPU's kind: on two AMD EPYC Zen 4
-    hosts of the same model, two places read a batch-1 step's weights 13% faster on one
-    (session 43) and 8-15% slower on the other (session 44) where the memory was fast."""
-    if not library.few_rows_available():
-        return {}
-    forced = os.environ.get("LLMFLEET_CPU_STREAMS", "auto")
+def set_streams(library: ctypes.CDLL) -> dict[int, int]:
+    """Where `LLMFLEET_CPU_STREAMS` is `1` or `2`, has the few-row kernel read each thread's
+    rows of w in that many places at each of `STREAM_ROWS`, in place of the build's choice
+    (`cpu_defines`); returns the places in use. For a host that reads faster the other way:
+    `python -m bench.few_rows_stream --places` measures both. Not measured at load: on an AMD
+    EPYC Zen 4 host, 11 paired rounds over 96 MB of weights picked two places at one row in
+    the minutes the memory was fast, where the model's own matmuls read 4-14% slower in two
+    (docs/benchmarks.md, session 44)."""
+    forced = os.environ.get("LLMFLEET_CPU_STREAMS", "")
     if forced in ("1", "2"):
-        chosen = dict.fromkeys(STREAM_ROWS, int(forced))
-    else:
-        n, k = _STREAMS_PROBE_SHAPE
-        count = _STREAMS_PROBE_BYTES // (2 * n * k)
-        weights = host_memory.zeros((count, n, k), torch.bfloat16).fill_(0.5)  # every page in
-        chosen = {
-            rows: _faster_streams(*_time_streams(library, weights, rows)) for rows in STREAM_ROWS
-        }
-    for rows, streams in chosen.items():
-        library.few_rows_streams(rows, streams)
-    log.info("few-row matmuls: places a thread at 1, 2, 8 rows of x: %s", chosen)
-    return chosen
-
-
-def _faster_streams(one: list[float], two: list[float]) -> int:
-    """2 where two places' times (paired rounds with one place's) are clearly the shorter."""
-    ratios = sorted(a / b for a, b in zip(one, two, strict=True))
-    return 2 if ratios[len(ratios) // 2] >= TWO_STREAMS_MARGIN else 1
-
-
-def _time_streams(
-    library: ctypes.CDLL, weights: torch.Tensor, rows: int
-) -> tuple[list[float], list[float]]:
-    """Paired rounds' times of one place a thread and two over `weights` ([count, n, k])."""
-    _, n, k = weights.shape
-    x = torch.full((rows, k), 0.25, dtype=torch.bfloat16)
-    y = torch.empty(rows, n, dtype=torch.bfloat16)
-
-    def one_pass(streams: int) -> float:
-        library.few_rows_streams(rows, streams)
-        started = time.perf_counter()
-        for w in weights:
-            library.matmul_few_rows(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), rows, n, k)
-        return time.perf_counter() - started
-
-    one_pass(1), one_pass(2)  # warm: the threads up, the code's pages in
-    times: dict[int, list[float]] = {1: [], 2: []}
-    for index in range(_STREAMS_PROBE_ROUNDS):
-        for streams in (1, 2) if index % 2 == 0 else (2, 1):
-            times[streams].append(one_pass(streams))
-    return times[1], times[2]
+        for rows in STREAM_ROWS:
+            library.few_rows_streams(rows, int(forced))
+    elif forced:
+        log.warning("LLMFLEET_CPU_STREAMS=%r is neither 1 nor 2: the build's choice", forced)
+    return {rows: library.few_rows_streams(rows, 0) for rows in STREAM_ROWS}
 
 
 # On a CPU with AMX, a matmul of fewer rows than this takes the few-row kernel

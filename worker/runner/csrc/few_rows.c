@@ -5,10 +5,9 @@
  * With so few rows the matmul reads each weight once and does almost no arithmetic with it:
  * its time is the time to stream the weights from memory. Each thread takes a contiguous run
  * of w's rows and reads it front to back (at one row of x, and at eight, one row of w at a
- * time: a single sequential stream per thread, which the hardware prefetcher follows, or, where
- * the host reads faster so, two, the run's halves side by side, `few_rows_streams`; at 2-7
- * rows of x, two or four
- * rows of w side by side, so that each load of x serves them all), and dots it with the few
+ * time: a single sequential stream per thread, which the hardware prefetcher follows, or on
+ * AMD Zen 4 two, the run's halves side by side, `few_rows_streams`; at 2-7 rows of x, two or
+ * four rows of w side by side, so that each load of x serves them all), and dots it with the few
  * rows of x, which stay in L1. oneDNN's matmul at one row read the same weights at about half
  * that rate here (docs/benchmarks.md, "Few-row matmuls"). k is a multiple of 32 (checked by
  * the caller).
@@ -60,20 +59,25 @@ int few_rows_available(void) { return MAX_ROWS; }
 #endif
 
 /* How many places of its run of w's rows each thread reads at once, a row from each at a time
- * (`dot_rows`), at 1, 2 and 8 rows of x: 1 until `few_rows_streams` sets 2, as the runner
- * does where a measurement at load shows two the faster here (`cpu_kernels.choose_streams`).
- * Where one core kept too few lines in flight from a single stream (an AMD EPYC Zen 4 host,
- * session 43), a batch-1 step's matmuls read at 0.76 of the plain read in one stream a thread
- * and at 0.85 in two where the memory was fast, and two took 2 and 8 rows of x from
- * 0.62-0.83 and 0.54-0.58 of the plain read to 0.67-0.92 and 0.75-0.78; on another host of
- * the same CPU model (session 44) two read 8-15% slower than one where the memory was fast
- * (`bench/few_rows_stream.py`, docs/benchmarks.md). */
-static int streams_at[MAX_ROWS + 1] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+ * (`dot_rows`), at 1, 2 and 8 rows of x: the build's STREAMS (1, or 2 where `cpu_kernels.py`
+ * defines it: AMD Zen 4) until `few_rows_streams` sets another (`LLMFLEET_CPU_STREAMS`). On
+ * one Zen 4 host one core kept too few lines in flight from a single stream to take its share
+ * where the memory was fast: a batch-1 step's matmuls read at 0.76 of the plain read in one
+ * stream a thread and at 0.85 in two (0.91-0.93 and 0.94-0.95 where it was slow), and two took
+ * 2 and 8 rows of x from 0.62-0.83 and 0.54-0.58 of the plain read to 0.67-0.92 and 0.75-0.78
+ * (session 43). On another of the same model (session 44) two read 2 and 8 rows of x 8-14%
+ * and 19-25% faster too, but one row 4-14% slower where the memory was fast, level where it
+ * was slow (`bench/few_rows_stream.py --places`, docs/benchmarks.md). Intel and Zen 5 keep
+ * one, not measured with two. */
+#ifndef STREAMS
+#define STREAMS 1
+#endif
+static int streams_at[MAX_ROWS + 1] = {1, STREAMS, STREAMS, 1, 1, 1, 1, 1, STREAMS};
 
 /* Sets how many places each thread reads at `rows` rows of x (1, 2 or 8; 1 or 2 places; any
  * other value leaves it) and returns what it was. */
 int few_rows_streams(int rows, int streams) {
-    if (rows < 1 || rows > MAX_ROWS) return 0;
+    if (rows < 1 || rows > MAX_ROWS) return 1;
     const int was = streams_at[rows];
     if ((rows == 1 || rows == 2 || rows == 8) && (streams == 1 || streams == 2))
         streams_at[rows] = streams;
