@@ -66,7 +66,7 @@ int few_rows_available(void) { return MAX_ROWS; }
  * stream a thread and at 0.85 in two (0.91-0.93 and 0.94-0.95 where it was slow), and two took
  * 2 and 8 rows of x from 0.62-0.83 and 0.54-0.58 of the plain read to 0.67-0.92 and 0.75-0.78
  * (session 43). On another of the same model (session 44) two read 2 and 8 rows of x 8-14%
- * and 19-25% faster too, but one row 4-14% slower where the memory was fast, level where it
+ * and 19-26% faster too, but one row 4-14% slower where the memory was fast, level where it
  * was slow (`bench/few_rows_stream.py --places`, docs/benchmarks.md). Intel and Zen 5 keep
  * one, not measured with two. */
 #ifndef STREAMS
